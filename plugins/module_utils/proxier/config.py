@@ -1,0 +1,276 @@
+# Copyright (c) kubenode.proxy contributors
+# Apache License 2.0 (see LICENSE)
+"""Upstream's KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1), strictly parsed.
+
+Unknown fields and bad values are rejected with the field's path; fields that exist
+upstream but do not apply to this proxy are accepted and ignored (listed in IGNORED).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
+KIND = "KubeProxyConfiguration"
+MODES = ("iptables", "nftables", "ipvs")
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+
+
+class ConfigError(ValueError):
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        super().__init__(f"KubeProxyConfiguration: {path}: {problem}")
+
+
+@dataclass
+class ConntrackConfig:
+    max_per_core: Optional[int] = 32768
+    min: Optional[int] = 131072
+    tcp_established_timeout: Optional[float] = 86400.0
+    tcp_close_wait_timeout: Optional[float] = 3600.0
+    tcp_be_liberal: bool = False
+    udp_timeout: Optional[float] = None
+    udp_stream_timeout: Optional[float] = None
+
+
+@dataclass
+class ProxyConfig:
+    mode: str = "iptables"
+    hostname_override: str = ""
+    cluster_cidrs: Tuple[str, ...] = ()
+    detect_local_mode: str = "ClusterCIDR"
+    bridge_interface: str = ""
+    interface_name_prefix: str = ""
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    localhost_nodeports: bool = True
+    node_port_addresses: Tuple[str, ...] = ()
+    sync_period: float = 30.0
+    min_sync_period: float = 1.0
+    healthz_bind_address: str = "127.0.0.1:10256"
+    metrics_bind_address: str = "127.0.0.1:10249"
+    kubeconfig: str = ""
+    config_sync_period: float = 900.0
+    conntrack: ConntrackConfig = field(default_factory=ConntrackConfig)
+    ignored: List[str] = field(default_factory=list)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: Any, path: str) -> float:
+    """A Go duration string ("1m30s", "500ms", "0s") in seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(path, f"expected a duration like '30s', got {value!r}")
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(value):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT[m.group(2)]
+        pos = m.end()
+    if pos != len(value) and value != "0":
+        raise ConfigError(path, f"{value!r} is not a duration (examples: 30s, 1m0s, 500ms)")
+    return total
+
+
+def _expect(obj: Any, path: str, kind: type) -> Any:
+    if not isinstance(obj, kind) or (kind is int and isinstance(obj, bool)):
+        raise ConfigError(path, f"expected {kind.__name__}, got {type(obj).__name__} {obj!r}")
+    return obj
+
+
+def _cidrs(value: Any, path: str) -> Tuple[str, ...]:
+    if value in (None, ""):
+        return ()
+    parts = value.split(",") if isinstance(value, str) else value
+    if not isinstance(parts, list):
+        raise ConfigError(path, "expected a comma-separated string or a list of CIDRs")
+    out = []
+    for i, c in enumerate(parts):
+        c = str(c).strip()
+        try:
+            out.append(str(ipaddress.ip_network(c, strict=False)))
+        except ValueError:
+            raise ConfigError(f"{path}[{i}]" if isinstance(value, list) else path, f"{c!r} is not a CIDR") from None
+    return tuple(out)
+
+
+def node_port_addresses(value: Any, path: str) -> Tuple[str, ...]:
+    if value in (None, ""):
+        return ()
+    items = value if isinstance(value, list) else str(value).split(",")
+    out = []
+    for i, item in enumerate(items):
+        item = str(item).strip()
+        if item == "primary":
+            out.append(item)
+            continue
+        out.extend(_cidrs([item], f"{path}[{i}]"))
+    return tuple(out)
+
+
+# Upstream fields that are valid but have no effect here.
+IGNORED = {
+    "featureGates", "bindAddress", "bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion",
+    "oomScoreAdj", "portRange", "logging", "windowsRunAsService", "winkernel", "ipvs", "nftables",
+    "udpIdleTimeout",
+}
+
+
+def parse(doc: Mapping[str, Any]) -> ProxyConfig:
+    if not isinstance(doc, Mapping):
+        raise ConfigError("(document)", "expected a mapping")
+    if doc.get("apiVersion") != API_VERSION:
+        raise ConfigError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+    if doc.get("kind") != KIND:
+        raise ConfigError("kind", f"must be {KIND}, got {doc.get('kind')!r}")
+    cfg = ProxyConfig()
+    handlers = {
+        "apiVersion": None, "kind": None,
+        "mode": _mode, "hostnameOverride": _str_field("hostname_override"),
+        "clusterCIDR": _cluster_cidr, "detectLocalMode": _detect_mode, "detectLocal": _detect_local,
+        "nodePortAddresses": _npa, "healthzBindAddress": _addr("healthz_bind_address"),
+        "metricsBindAddress": _addr("metrics_bind_address"), "iptables": _iptables,
+        "clientConnection": _client, "conntrack": _conntrack, "configSyncPeriod": _dur("config_sync_period"),
+        "syncPeriod": _dur("sync_period"), "minSyncPeriod": _dur("min_sync_period"),
+    }
+    for key, value in doc.items():
+        if key in IGNORED:
+            cfg.ignored.append(key)
+            continue
+        if key not in handlers:
+            raise ConfigError(key, "unknown field")
+        h = handlers[key]
+        if h is not None:
+            h(cfg, value, key)
+    if cfg.detect_local_mode == "BridgeInterface" and not cfg.bridge_interface:
+        raise ConfigError("detectLocal.bridgeInterface", "required when detectLocalMode is BridgeInterface")
+    if cfg.detect_local_mode == "InterfaceNamePrefix" and not cfg.interface_name_prefix:
+        raise ConfigError("detectLocal.interfaceNamePrefix", "required when detectLocalMode is InterfaceNamePrefix")
+    if cfg.min_sync_period > cfg.sync_period:
+        raise ConfigError("iptables.minSyncPeriod", "must not be greater than syncPeriod")
+    return cfg
+
+
+def _mode(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = v or "iptables"
+    if v not in MODES:
+        raise ConfigError(path, f"must be one of {', '.join(MODES)}, got {v!r}")
+    cfg.mode = v
+
+
+def _str_field(attr: str):
+    def h(cfg: ProxyConfig, v: Any, path: str) -> None:
+        setattr(cfg, attr, _expect(v or "", path, str))
+    return h
+
+
+def _addr(attr: str):
+    def h(cfg: ProxyConfig, v: Any, path: str) -> None:
+        v = _expect(v or "", path, str)
+        if v:
+            host, sep, port = v.rpartition(":")
+            if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ConfigError(path, f"{v!r} must be host:port")
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+            except ValueError:
+                raise ConfigError(path, f"{host!r} is not an IP address") from None
+        setattr(cfg, attr, v)
+    return h
+
+
+def _dur(attr: str):
+    def h(cfg: ProxyConfig, v: Any, path: str) -> None:
+        setattr(cfg, attr, parse_duration(v, path))
+    return h
+
+
+def _cluster_cidr(cfg: ProxyConfig, v: Any, path: str) -> None:
+    cfg.cluster_cidrs = _cidrs(v, path)
+
+
+def _detect_mode(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = v or "ClusterCIDR"
+    if v not in DETECT_LOCAL_MODES:
+        raise ConfigError(path, f"must be one of {', '.join(DETECT_LOCAL_MODES)}, got {v!r}")
+    cfg.detect_local_mode = v
+
+
+def _detect_local(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = _expect(v or {}, path, dict)
+    for key, val in v.items():
+        if key == "bridgeInterface":
+            cfg.bridge_interface = _expect(val or "", f"{path}.{key}", str)
+        elif key == "interfaceNamePrefix":
+            cfg.interface_name_prefix = _expect(val or "", f"{path}.{key}", str)
+        else:
+            raise ConfigError(f"{path}.{key}", "unknown field")
+
+
+def _npa(cfg: ProxyConfig, v: Any, path: str) -> None:
+    cfg.node_port_addresses = node_port_addresses(v, path)
+
+
+def _iptables(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = _expect(v or {}, path, dict)
+    for key, val in v.items():
+        p = f"{path}.{key}"
+        if key == "masqueradeAll":
+            cfg.masquerade_all = _expect(val, p, bool)
+        elif key == "masqueradeBit":
+            if val is None:
+                continue
+            bit = _expect(val, p, int)
+            if not 0 <= bit <= 31:
+                raise ConfigError(p, f"{bit} must be between 0 and 31")
+            cfg.masquerade_bit = bit
+        elif key == "localhostNodePorts":
+            if val is not None:
+                cfg.localhost_nodeports = _expect(val, p, bool)
+        elif key == "syncPeriod":
+            cfg.sync_period = parse_duration(val, p)
+        elif key == "minSyncPeriod":
+            cfg.min_sync_period = parse_duration(val, p)
+        else:
+            raise ConfigError(p, "unknown field")
+
+
+def _client(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = _expect(v or {}, path, dict)
+    for key, val in v.items():
+        if key == "kubeconfig":
+            cfg.kubeconfig = _expect(val or "", f"{path}.{key}", str)
+        elif key not in ("acceptContentTypes", "contentType", "qps", "burst"):
+            raise ConfigError(f"{path}.{key}", "unknown field")
+
+
+def _conntrack(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = _expect(v or {}, path, dict)
+    ct = cfg.conntrack
+    for key, val in v.items():
+        p = f"{path}.{key}"
+        if key in ("maxPerCore", "min"):
+            if val is not None and (_expect(val, p, int) < 0):
+                raise ConfigError(p, "must not be negative")
+            setattr(ct, "max_per_core" if key == "maxPerCore" else "min", val)
+        elif key == "tcpBeLiberal":
+            ct.tcp_be_liberal = bool(_expect(val, p, bool))
+        elif key in ("tcpEstablishedTimeout", "tcpCloseWaitTimeout", "udpTimeout", "udpStreamTimeout"):
+            attr = {"tcpEstablishedTimeout": "tcp_established_timeout", "tcpCloseWaitTimeout": "tcp_close_wait_timeout",
+                    "udpTimeout": "udp_timeout", "udpStreamTimeout": "udp_stream_timeout"}[key]
+            setattr(ct, attr, None if val is None else parse_duration(val, p))
+        else:
+            raise ConfigError(p, "unknown field")
+
+
+def to_dict(cfg: ProxyConfig) -> Dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(cfg)

@@ -1,0 +1,56 @@
+# Copyright (c) kubenode.proxy contributors
+# Apache License 2.0 (see LICENSE)
+"""Which endpoints a service port uses for Cluster and Local traffic (upstream's
+CategorizeEndpoints, without topology hints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from .model import Endpoint, ServicePort
+
+
+@dataclass(frozen=True)
+class Categorized:
+    cluster: List[Endpoint]
+    local: List[Endpoint]
+    reachable: List[Endpoint]  # every endpoint some policy chain jumps to: gets a SEP chain
+    has_any: bool
+
+
+def categorize(endpoints: Sequence[Endpoint], svc: ServicePort) -> Categorized:
+    cluster: List[Endpoint] = []
+    local: List[Endpoint] = []
+    has_any = False
+    if svc.uses_cluster_endpoints:
+        cluster = [ep for ep in endpoints if ep.ready]
+        if not cluster:
+            # Fall back to serving-terminating endpoints so that a rolling update does not
+            # drop connections while the new pods are not ready yet.
+            cluster = [ep for ep in endpoints if ep.serving and ep.terminating]
+        has_any = bool(cluster)
+    if not svc.uses_local_endpoints:
+        return Categorized(cluster, [], cluster, has_any)
+
+    local_ready = local_term = False
+    for ep in endpoints:
+        if ep.ready:
+            has_any = True
+            local_ready = local_ready or ep.is_local
+        elif ep.serving and ep.terminating:
+            has_any = True
+            local_term = local_term or ep.is_local
+    if local_ready:
+        local = [ep for ep in endpoints if ep.is_local and ep.ready]
+    elif local_term:
+        local = [ep for ep in endpoints if ep.is_local and ep.serving and ep.terminating]
+    if not svc.uses_cluster_endpoints:
+        return Categorized([], local, local, has_any)
+    seen = set()
+    reachable = []
+    for ep in cluster + local:
+        if str(ep) not in seen:
+            seen.add(str(ep))
+            reachable.append(ep)
+    return Categorized(cluster, local, reachable, has_any)

@@ -1,0 +1,156 @@
+# Copyright (c) kubenode.proxy contributors
+# Apache License 2.0 (see LICENSE)
+"""iptables mode: state -> compile (per service, cached) -> plan -> one restore.
+
+A full sync re-reads the kernel and reconciles every chain we own; a partial sync
+recompiles only the services that changed and diffs them against what we applied last.
+Any failure makes the next sync a full one; the kernel keeps the previous rules.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .backends import iptables as ipt
+from .backends.iptables_plan import Plan, plan
+from .kernel.iptables import IptablesKernel, cleanup_text
+from .state import ProxyState
+
+
+@dataclass
+class SyncResult:
+    full: bool
+    services: int
+    endpoints: int
+    rules: int  # rules we own in the kernel after the sync
+    rules_written: int
+    changes: List[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    total_seconds: float = 0.0
+    no_endpoint_ports: int = 0
+
+    def summary(self) -> str:
+        kind = "full" if self.full else "partial"
+        return (f"{kind} sync: {self.services} services, {self.endpoints} endpoints, {self.rules} rules "
+                f"({self.rules_written} written, {len(self.changes)} changes) in {self.total_seconds * 1000:.0f} ms "
+                f"(compile {self.compile_seconds * 1000:.0f} ms, apply {self.apply_seconds * 1000:.0f} ms)")
+
+
+class IptablesProxier:
+    def __init__(self, state: ProxyState, cfg: ipt.IptablesConfig, kernel: IptablesKernel) -> None:
+        self.state = state
+        self.cfg = cfg
+        self.kernel = kernel
+        self.compiled: Dict[str, ipt.ServiceRules] = {}  # what the kernel has, per service
+        self.need_full = True
+
+    def _config(self) -> ipt.IptablesConfig:
+        large = self.state.endpoint_count() > ipt.LARGE_CLUSTER_ENDPOINTS
+        if large != self.cfg.large_cluster:
+            # Crossing the threshold changes every endpoint rule: only a full sync fits.
+            self.cfg = _replace(self.cfg, large_cluster=large)
+            self.need_full = True
+        return self.cfg
+
+    def _compile(self, key: str) -> Optional[ipt.ServiceRules]:
+        if key not in self.state.services:
+            return None
+        return ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
+
+    def sync(self, force_full: bool = False) -> SyncResult:
+        start = time.monotonic()
+        changed = self.state.take_changes()
+        cfg = self._config()
+        full = force_full or self.need_full
+        try:
+            if full:
+                result = self._full_sync(cfg, start)
+            else:
+                result = self._partial_sync(changed, start)
+        except Exception:
+            # Keep the changes for the retry, and trust nothing we remember.
+            self.state._changed |= changed
+            self.need_full = True
+            raise
+        self.need_full = False
+        return result
+
+    def _full_sync(self, cfg: ipt.IptablesConfig, start: float) -> SyncResult:
+        t0 = time.monotonic()
+        compiled = {key: ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg)
+                    for key in self.state.service_keys()}
+        desired = assemble(compiled, cfg)
+        compile_s = time.monotonic() - t0
+        snap = self.kernel.snapshot()
+        p = plan(snap.rules, desired, merge=False, existing=snap.chains)
+        apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
+        self.compiled = compiled
+        return self._result(True, p, compile_s, apply_s, start)
+
+    def _partial_sync(self, changed: set, start: float) -> SyncResult:
+        t0 = time.monotonic()
+        before: Dict = {}
+        after: Dict = {}
+        new_compiled: Dict[str, Optional[ipt.ServiceRules]] = {}
+        for key in sorted(changed):
+            old = self.compiled.get(key)
+            new = self._compile(key)
+            new_compiled[key] = new
+            if old is not None:
+                _merge_into(before, old)
+            if new is not None:
+                _merge_into(after, new)
+        compile_s = time.monotonic() - t0
+        p = plan(before, after, merge=True, existing=set(ipt.infrastructure(self.cfg)))
+        apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
+        for key, new in new_compiled.items():
+            if new is None:
+                self.compiled.pop(key, None)
+            else:
+                self.compiled[key] = new
+        return self._result(False, p, compile_s, apply_s, start)
+
+    def _result(self, full: bool, p: Plan, compile_s: float, apply_s: float, start: float) -> SyncResult:
+        rules = sum(r.rule_count() for r in self.compiled.values())
+        return SyncResult(
+            full=full, services=len(self.state.services),
+            endpoints=sum(r.endpoints for r in self.compiled.values()),
+            rules=rules, rules_written=p.rules_written, changes=p.changes,
+            compile_seconds=compile_s, apply_seconds=apply_s, total_seconds=time.monotonic() - start,
+            no_endpoint_ports=sum(r.no_endpoint_ports for r in self.compiled.values()),
+        )
+
+    def cleanup(self) -> int:
+        """Remove every chain and jump we create. Returns how many chains went."""
+        snap = self.kernel.snapshot()
+        text = cleanup_text(snap)
+        if text:
+            self.kernel.restore(text)
+        self.compiled = {}
+        self.need_full = True
+        return text.count("\n-X ")
+
+
+def _merge_into(target: Dict, rules: ipt.ServiceRules) -> None:
+    for key, lines in rules.chains.items():
+        target[key] = lines
+    for key, lines in rules.shared.items():
+        target.setdefault(key, []).extend(lines)
+
+
+def assemble(compiled: Dict[str, ipt.ServiceRules], cfg: ipt.IptablesConfig) -> Dict:
+    """The whole desired ruleset: node-wide chains, then every service's rules."""
+    desired = {k: list(v) for k, v in ipt.infrastructure(cfg).items()}
+    for key in sorted(compiled):
+        _merge_into(desired, compiled[key])
+    desired[(ipt.NAT, ipt.KUBE_SERVICES)].extend(ipt.nodeports_tail(cfg))
+    return desired
+
+
+def _replace(cfg: ipt.IptablesConfig, **kw: object) -> ipt.IptablesConfig:
+    from dataclasses import replace
+
+    return replace(cfg, **kw)

@@ -1,0 +1,127 @@
+# Copyright (c) kubenode.proxy contributors
+# Apache License 2.0 (see LICENSE)
+"""The proxy's view of the cluster: services, endpoint slices, and what changed.
+
+Changes are tracked per Service (``namespace/name``): a backend's partial sync
+recompiles only those services.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from .model import Endpoint, EndpointSlice, Node, Service, ServicePort, ServicePortName
+
+
+class ProxyState:
+    def __init__(self, hostname: str) -> None:
+        self.hostname = hostname
+        self.services: Dict[str, Service] = {}
+        self.slices: Dict[str, EndpointSlice] = {}  # key "ns/slicename"
+        self._slices_by_service: Dict[str, Set[str]] = {}
+        self.node: Optional[Node] = None
+        self._changed: Set[str] = set()
+
+    # --- updates --------------------------------------------------------------------
+
+    def set_service(self, svc: Service) -> None:
+        key = f"{svc.namespace}/{svc.name}"
+        if self.services.get(key) != svc:
+            self.services[key] = svc
+            self._changed.add(key)
+
+    def delete_service(self, namespace: str, name: str) -> None:
+        key = f"{namespace}/{name}"
+        if self.services.pop(key, None) is not None:
+            self._changed.add(key)
+
+    def set_slice(self, sl: EndpointSlice) -> None:
+        key = f"{sl.namespace}/{sl.name}"
+        old = self.slices.get(key)
+        if old == sl:
+            return
+        if old is not None:
+            self._unlink(key, old)
+        self.slices[key] = sl
+        svc_key = f"{sl.namespace}/{sl.service}"
+        self._slices_by_service.setdefault(svc_key, set()).add(key)
+        self._changed.add(svc_key)
+
+    def delete_slice(self, namespace: str, name: str) -> None:
+        key = f"{namespace}/{name}"
+        old = self.slices.pop(key, None)
+        if old is not None:
+            self._unlink(key, old)
+
+    def _unlink(self, key: str, old: EndpointSlice) -> None:
+        svc_key = f"{old.namespace}/{old.service}"
+        keys = self._slices_by_service.get(svc_key)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._slices_by_service[svc_key]
+        self._changed.add(svc_key)
+
+    def replace_all(self, services: Iterable[Service], slices: Iterable[EndpointSlice]) -> None:
+        """Make the state exactly these objects (a relist or a manifests reload)."""
+        new_svcs = {f"{s.namespace}/{s.name}": s for s in services}
+        new_slices = {f"{s.namespace}/{s.name}": s for s in slices}
+        for key in list(self.services):
+            if key not in new_svcs:
+                ns, name = key.split("/", 1)
+                self.delete_service(ns, name)
+        for svc in new_svcs.values():
+            self.set_service(svc)
+        for key in list(self.slices):
+            if key not in new_slices:
+                ns, name = key.split("/", 1)
+                self.delete_slice(ns, name)
+        for sl in new_slices.values():
+            self.set_slice(sl)
+
+    def take_changes(self) -> Set[str]:
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def mark_all_changed(self) -> None:
+        self._changed.update(self.services)
+
+    # --- views ----------------------------------------------------------------------
+
+    def service_keys(self) -> List[str]:
+        return sorted(self.services)
+
+    def endpoints_for(self, key: str) -> Dict[ServicePortName, List[Endpoint]]:
+        """Endpoints of every port of one service, merged over its slices, sorted."""
+        svc = self.services.get(key)
+        if svc is None:
+            return {}
+        family = 6 if ":" in (svc.ports[0].cluster_ip if svc.ports else "") else 4
+        want = "IPv6" if family == 6 else "IPv4"
+        by_port: Dict[Tuple[str, str], Dict[str, Endpoint]] = {}
+        for slice_key in sorted(self._slices_by_service.get(key, ())):
+            sl = self.slices[slice_key]
+            if sl.address_type != want:
+                continue
+            for port in sl.ports:
+                bucket = by_port.setdefault((port.name, port.protocol), {})
+                for ep in sl.endpoints:
+                    e = Endpoint(
+                        ip=ep.addresses[0], port=port.port, node_name=ep.node_name,
+                        ready=ep.ready, serving=ep.serving, terminating=ep.terminating,
+                        is_local=bool(ep.node_name) and ep.node_name == self.hostname,
+                    )
+                    # A duplicate across slices (during slice churn): keep the first one seen.
+                    bucket.setdefault(str(e), e)
+        result: Dict[ServicePortName, List[Endpoint]] = {}
+        for sp in svc.ports:
+            bucket = by_port.get((sp.name.port, sp.protocol), {})
+            result[sp.name] = [bucket[k] for k in sorted(bucket)]
+        return result
+
+    def ports_of(self, key: str) -> Tuple[ServicePort, ...]:
+        svc = self.services.get(key)
+        return svc.ports if svc else ()
+
+    def endpoint_count(self) -> int:
+        return sum(len(sl.endpoints) * max(1, len(sl.ports)) for sl in self.slices.values())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install what the lab, the tests and the daemon need on a bare Debian/Ubuntu machine.
+# Idempotent: safe to run again. Needs root (apt-get).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(iptables nftables ipset conntrack iproute2 curl procps kmod)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+python3 -m pip install -q -r requirements.txt

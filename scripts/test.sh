@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command (README "Run the tests"; CI runs exactly this).
+# Installs what is missing, then runs lint, unit, kernel-integration and Ansible tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install-deps.sh
+python3 -m ruff check plugins tests benchmarks bin/kubenode-proxy
+python3 -m pytest -p no:cacheprovider -ra tests/unit tests/integration "$@"
