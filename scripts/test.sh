@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install-deps.sh
-python3 -m ruff check plugins tests benchmarks bin/kubenode-proxy
-python3 -m pytest -p no:cacheprovider -ra tests/unit tests/integration "$@"
+python3 -m ruff check .
+suites=()
+for d in tests/unit tests/integration; do [ -d "$d" ] && suites+=("$d"); done
+python3 -m pytest -p no:cacheprovider -ra "${suites[@]}" "$@"
