@@ -88,9 +88,13 @@ def plan(
             body[table].append(f"-A {chain} {r}")
             p.rules_written += 1
 
-    for key in sorted(desired):
+    keys = set(desired)
+    if merge:
+        # In-scope rules of a shared chain the desired side no longer mentions must go.
+        keys |= {k for k in current if k[1] in SHARED_CHAINS}
+    for key in sorted(keys):
         table, chain = key
-        want = desired[key]
+        want = desired.get(key, [])
         have = current.get(key)
         if chain in BUILTIN_CHAINS:
             have_set = set(have or ())
@@ -110,14 +114,13 @@ def plan(
             if merge:
                 gone = Counter(have) - Counter(want)
                 new = Counter(want) - Counter(have)
-                if any(_is_tail(r) for r in gone) or any(_is_tail(r) for r in new):
-                    raise ValueError("the KUBE-SERVICES tail rule can only change in a full sync")
                 for r in sorted(gone.elements()):
                     body[table].append(f"-D {chain} {r}")
                     p.changes.append(f"- {table} {chain}: {r}")
-                for r in sorted(new.elements()):
+                for r in _tail_last(sorted(new.elements())):
                     # Service rules go before the NodePort tail, which must stay last.
-                    verb = f"-I {chain} 1" if chain == KUBE_SERVICES and table == NAT else f"-A {chain}"
+                    top = chain == KUBE_SERVICES and table == NAT and not _is_tail(r)
+                    verb = f"-I {chain} 1" if top else f"-A {chain}"
                     body[table].append(f"{verb} {r}")
                     p.rules_written += 1
                     p.changes.append(f"+ {table} {chain}: {r}")

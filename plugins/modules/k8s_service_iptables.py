@@ -1,0 +1,419 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Copyright (c) kubenode.proxy contributors
+# Apache License 2.0 (see https://www.apache.org/licenses/LICENSE-2.0)
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+DOCUMENTATION = r"""
+---
+module: k8s_service_iptables
+short_description: Program one Kubernetes Service's kube-proxy iptables rules on a host
+version_added: 0.1.0
+description:
+  - Writes (O(state=present)) or removes (O(state=absent)) the iptables rules that kube-proxy's
+    iptables mode would program for one Service, using upstream's chain layout and names
+    (C(KUBE-SERVICES), C(KUBE-SVC-*), C(KUBE-SEP-*), ...).
+  - Other services' rules and rules owned by other software are left alone. The change is
+    applied in one C(iptables-restore --noflush) transaction: all of it or none of it.
+  - The Service is given either as API objects (O(service) and O(endpoint_slices), as
+    M(kubernetes.core.k8s_info) returns them) or with flat options (O(name), O(cluster_ip), O(ports), ...).
+author:
+  - kubenode.proxy developers
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: full
+options:
+  state:
+    description: Whether the service's rules are present or absent.
+    type: str
+    choices: [present, absent]
+    default: present
+  service:
+    description:
+      - A v1 Service object. Mutually exclusive with the flat options.
+    type: dict
+  endpoint_slices:
+    description:
+      - discovery.k8s.io/v1 EndpointSlice objects of the service (used with O(service)).
+    type: list
+    elements: dict
+    default: []
+  name:
+    description: Service name (flat form).
+    type: str
+  namespace:
+    description: Service namespace (flat form).
+    type: str
+    default: default
+  cluster_ip:
+    description: The service's cluster IP (flat form; required with O(state=present)).
+    type: str
+  type:
+    description: Service type (flat form).
+    type: str
+    choices: [ClusterIP, NodePort, LoadBalancer]
+    default: ClusterIP
+  ports:
+    description: Service ports (flat form).
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      name:
+        description: Port name.
+        type: str
+        default: ""
+      port:
+        description: Service port.
+        type: int
+        required: true
+      protocol:
+        description: Protocol.
+        type: str
+        choices: [TCP, UDP, SCTP]
+        default: TCP
+      target_port:
+        description: Port on the endpoints (defaults to O(ports[].port)).
+        type: int
+      node_port:
+        description: NodePort (with O(type=NodePort) or O(type=LoadBalancer)).
+        type: int
+  endpoints:
+    description: Backends (flat form); each serves every port at its O(ports[].target_port).
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      address:
+        description: Endpoint IP address.
+        type: str
+        required: true
+      node_name:
+        description: Node the endpoint runs on (decides Local traffic policy).
+        type: str
+      ready:
+        description: Endpoint is ready.
+        type: bool
+        default: true
+      serving:
+        description: Endpoint is serving (defaults to O(endpoints[].ready)).
+        type: bool
+      terminating:
+        description: Endpoint is terminating.
+        type: bool
+        default: false
+  external_ips:
+    description: externalIPs (flat form).
+    type: list
+    elements: str
+    default: []
+  load_balancer_ips:
+    description: Load balancer ingress IPs (flat form).
+    type: list
+    elements: str
+    default: []
+  load_balancer_source_ranges:
+    description: CIDRs allowed to reach the load balancer IPs (flat form).
+    type: list
+    elements: str
+    default: []
+  external_traffic_policy:
+    description: externalTrafficPolicy (flat form).
+    type: str
+    choices: [Cluster, Local]
+    default: Cluster
+  internal_traffic_policy:
+    description: internalTrafficPolicy (flat form).
+    type: str
+    choices: [Cluster, Local]
+    default: Cluster
+  health_check_node_port:
+    description: healthCheckNodePort (flat form; LoadBalancer with Local policy).
+    type: int
+  session_affinity:
+    description: Session affinity (flat form).
+    type: str
+    choices: [None, ClientIP]
+    default: None
+  session_affinity_timeout:
+    description: ClientIP affinity timeout in seconds (flat form).
+    type: int
+    default: 10800
+  node_name:
+    description: This node's name as the cluster knows it (endpoints with this O(endpoints[].node_name) are local).
+    type: str
+  cluster_cidr:
+    description: Pod CIDR; traffic to a cluster IP from outside it is masqueraded.
+    type: str
+  masquerade_all:
+    description: Masquerade all traffic to cluster IPs.
+    type: bool
+    default: false
+  masquerade_bit:
+    description: The fwmark bit that marks packets for masquerading.
+    type: int
+    default: 14
+  localhost_nodeports:
+    description: Accept NodePort connections on 127.0.0.1 (needs C(route_localnet)).
+    type: bool
+    default: true
+  iptables_binary:
+    description: iptables family to use.
+    type: str
+    choices: [iptables, iptables-nft, iptables-legacy]
+    default: iptables
+requirements:
+  - iptables (iptables-save and iptables-restore) on the managed host
+notes:
+  - Run with root privileges. Kernel state is per network namespace.
+"""
+
+EXAMPLES = r"""
+- name: A ClusterIP service with two backends
+  kubenode.proxy.k8s_service_iptables:
+    name: web
+    namespace: shop
+    cluster_ip: 10.96.0.10
+    cluster_cidr: 10.244.0.0/16
+    ports:
+      - {name: http, port: 80, target_port: 8080}
+    endpoints:
+      - {address: 10.244.1.5, node_name: node1}
+      - {address: 10.244.2.7, node_name: node2}
+
+- name: Program a service straight from the cluster's objects
+  kubenode.proxy.k8s_service_iptables:
+    service: "{{ (svc_info.resources | first) }}"
+    endpoint_slices: "{{ slices_info.resources }}"
+    node_name: "{{ inventory_hostname }}"
+    cluster_cidr: 10.244.0.0/16
+
+- name: Remove the service's rules
+  kubenode.proxy.k8s_service_iptables:
+    name: web
+    namespace: shop
+    state: absent
+"""
+
+RETURN = r"""
+chains:
+  description: The per-service chains (KUBE-SVC-*, KUBE-SEP-*, ...) the service has after the run.
+  returned: always
+  type: list
+  elements: str
+  sample: [KUBE-SEP-UIQK3OSOSTRHRPBX, KUBE-SVC-CDGGSHYLG3RE2FKL]
+rule_counts:
+  description: Rules per C(table/chain) for this service (shared chains count only its rules).
+  returned: always
+  type: dict
+  sample: {"nat/KUBE-SERVICES": 1, "nat/KUBE-SVC-CDGGSHYLG3RE2FKL": 3}
+changes:
+  description: One line per chain or rule added, changed or removed.
+  returned: always
+  type: list
+  elements: str
+restore_input:
+  description: The iptables-restore input that was (or in check mode would be) applied.
+  returned: always
+  type: str
+"""
+
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+
+try:
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_service import plan_service
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.addresses import local_addresses
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
+        IptablesKernel,
+        KernelError,
+    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
+        Service,
+        Skipped,
+        ValidationError,
+        parse_endpoint_slice,
+        parse_service,
+    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
+    IMPORT_ERROR = None
+except ImportError:  # pragma: no cover - reported by the module
+    IMPORT_ERROR = traceback.format_exc()
+
+FLAT_OPTIONS = ("cluster_ip", "external_ips", "load_balancer_ips", "load_balancer_source_ranges", "endpoints")
+
+
+def flat_objects(p):
+    """Service and EndpointSlice dicts from the flat options."""
+    ports = []
+    slice_ports = []
+    for sp in p["ports"]:
+        port = {"name": sp["name"] or "", "port": sp["port"], "protocol": sp["protocol"]}
+        if sp.get("node_port"):
+            port["nodePort"] = sp["node_port"]
+        ports.append(port)
+        slice_ports.append({"name": sp["name"] or "", "port": sp.get("target_port") or sp["port"],
+                            "protocol": sp["protocol"]})
+    spec = {
+        "type": p["type"], "clusterIP": p["cluster_ip"], "ports": ports,
+        "externalIPs": p["external_ips"], "loadBalancerSourceRanges": p["load_balancer_source_ranges"],
+        "externalTrafficPolicy": p["external_traffic_policy"],
+        "internalTrafficPolicy": p["internal_traffic_policy"],
+        "sessionAffinity": p["session_affinity"],
+    }
+    if p["session_affinity"] == "ClientIP":
+        spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": p["session_affinity_timeout"]}}
+    if p.get("health_check_node_port"):
+        spec["healthCheckNodePort"] = p["health_check_node_port"]
+    service = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": p["name"], "namespace": p["namespace"]},
+        "spec": spec,
+        "status": {"loadBalancer": {"ingress": [{"ip": ip} for ip in p["load_balancer_ips"]]}},
+    }
+    endpoints = []
+    for ep in p["endpoints"]:
+        cond = {"ready": ep["ready"], "terminating": ep["terminating"]}
+        if ep.get("serving") is not None:
+            cond["serving"] = ep["serving"]
+        item = {"addresses": [ep["address"]], "conditions": cond}
+        if ep.get("node_name"):
+            item["nodeName"] = ep["node_name"]
+        endpoints.append(item)
+    family = "IPv6" if ":" in (p["cluster_ip"] or "") else "IPv4"
+    eps = {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "%s-flat" % p["name"], "namespace": p["namespace"],
+                     "labels": {"kubernetes.io/service-name": p["name"]}},
+        "addressType": family, "ports": slice_ports, "endpoints": endpoints,
+    }
+    return service, [eps]
+
+
+class ServiceIptables(object):
+    def __init__(self, module):
+        self.module = module
+        self.params = module.params
+        self.kernel = IptablesKernel(binary=self.params["iptables_binary"])
+
+    def _objects(self):
+        p = self.params
+        if p["service"] is not None:
+            return p["service"], p["endpoint_slices"]
+        if not p["name"]:
+            self.module.fail_json(msg="one of service or name is required")
+        if p["state"] == "present" and not p["cluster_ip"]:
+            self.module.fail_json(msg="cluster_ip is required with state=present (flat form)")
+        if p["state"] == "absent" and not p["cluster_ip"]:
+            return None, []
+        return flat_objects(p)
+
+    def _service(self):
+        svc_obj, slices = self._objects()
+        if svc_obj is None:
+            return Service(self.params["namespace"], self.params["name"], ()), []
+        try:
+            service = parse_service(svc_obj)
+            parsed = [parse_endpoint_slice(s) for s in slices]
+        except ValidationError as e:
+            self.module.fail_json(msg=str(e), object=e.name, field=e.path)
+        except Skipped as e:
+            self.module.fail_json(msg="this service is not proxied: %s" % e)
+        for sl in parsed:
+            if sl.namespace != service.namespace or sl.service != service.name:
+                self.module.fail_json(msg="EndpointSlice %s/%s belongs to service %s, not %s/%s" % (
+                    sl.namespace, sl.name, sl.service, service.namespace, service.name))
+        return service, parsed
+
+    def _config(self):
+        p = self.params
+        cidrs = (p["cluster_cidr"],) if p["cluster_cidr"] else ()
+        try:
+            addresses = local_addresses()
+        except RuntimeError:
+            addresses = []
+        return IptablesConfig(masquerade_bit=p["masquerade_bit"], masquerade_all=p["masquerade_all"],
+                              local_mode="ClusterCIDR", local_cidrs=cidrs,
+                              localhost_nodeports=p["localhost_nodeports"], node_ips=tuple(addresses))
+
+    def run(self):
+        service, slices = self._service()
+        state = ProxyState(self.params["node_name"] or "")
+        state.set_service(service)
+        for sl in slices:
+            state.set_slice(sl)
+        try:
+            snapshot = self.kernel.snapshot()
+            sp = plan_service(snapshot, service, state, self._config(), self.params["state"] == "present")
+            text = sp.plan.text()
+            if text and not self.module.check_mode:
+                self.kernel.restore(text)
+        except KernelError as e:
+            self.module.fail_json(msg=str(e))
+        result = dict(
+            changed=not sp.plan.empty, chains=sp.chains, rule_counts=sp.rule_counts,
+            changes=sp.plan.changes, restore_input=text,
+        )
+        if self.module._diff:
+            result["diff"] = sp.diff()
+        self.module.exit_json(**result)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            state=dict(type="str", default="present", choices=["present", "absent"]),
+            service=dict(type="dict"),
+            endpoint_slices=dict(type="list", elements="dict", default=[]),
+            name=dict(type="str"),
+            namespace=dict(type="str", default="default"),
+            cluster_ip=dict(type="str"),
+            type=dict(type="str", default="ClusterIP", choices=["ClusterIP", "NodePort", "LoadBalancer"]),
+            ports=dict(type="list", elements="dict", default=[], options=dict(
+                name=dict(type="str", default=""),
+                port=dict(type="int", required=True),
+                protocol=dict(type="str", default="TCP", choices=["TCP", "UDP", "SCTP"]),
+                target_port=dict(type="int"),
+                node_port=dict(type="int"),
+            )),
+            endpoints=dict(type="list", elements="dict", default=[], options=dict(
+                address=dict(type="str", required=True),
+                node_name=dict(type="str"),
+                ready=dict(type="bool", default=True),
+                serving=dict(type="bool"),
+                terminating=dict(type="bool", default=False),
+            )),
+            external_ips=dict(type="list", elements="str", default=[]),
+            load_balancer_ips=dict(type="list", elements="str", default=[]),
+            load_balancer_source_ranges=dict(type="list", elements="str", default=[]),
+            external_traffic_policy=dict(type="str", default="Cluster", choices=["Cluster", "Local"]),
+            internal_traffic_policy=dict(type="str", default="Cluster", choices=["Cluster", "Local"]),
+            health_check_node_port=dict(type="int"),
+            session_affinity=dict(type="str", default="None", choices=["None", "ClientIP"]),
+            session_affinity_timeout=dict(type="int", default=10800),
+            node_name=dict(type="str"),
+            cluster_cidr=dict(type="str"),
+            masquerade_all=dict(type="bool", default=False),
+            masquerade_bit=dict(type="int", default=14),
+            localhost_nodeports=dict(type="bool", default=True),
+            iptables_binary=dict(type="str", default="iptables",
+                                 choices=["iptables", "iptables-nft", "iptables-legacy"]),
+        ),
+        mutually_exclusive=[("service", "name")] + [("service", o) for o in FLAT_OPTIONS],
+        required_one_of=[("service", "name")],
+        supports_check_mode=True,
+    )
+    if IMPORT_ERROR:
+        module.fail_json(msg="cannot import the kubenode.proxy core", exception=IMPORT_ERROR)
+    ServiceIptables(module).run()
+
+
+if __name__ == "__main__":
+    main()
