@@ -1,0 +1,67 @@
+"""k8s_service_iptables argument handling (the kernel side is tested through ansible-playbook
+in tests/integration/test_module_playbook.py)."""
+import json
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.modules import k8s_service_iptables as mod
+
+
+def run_module(capsys, args):
+    with patch_module_args(args):
+        with pytest.raises(SystemExit):
+            mod.main()
+    return json.loads(capsys.readouterr().out)
+
+
+FLAT = dict(name="web", namespace="shop", cluster_ip="10.96.0.10", type="NodePort",
+            ports=[dict(name="http", port=80, protocol="TCP", target_port=8080, node_port=30080)],
+            endpoints=[dict(address="10.244.1.5", node_name="n1", ready=True, serving=None, terminating=False)],
+            external_ips=["203.0.113.9"], load_balancer_ips=[], load_balancer_source_ranges=[],
+            external_traffic_policy="Local", internal_traffic_policy="Cluster", health_check_node_port=None,
+            session_affinity="ClientIP", session_affinity_timeout=60)
+
+
+def test_flat_options_become_api_objects():
+    svc, slices = mod.flat_objects(FLAT)
+    parsed = parse_service(svc)
+    sp = parsed.ports[0]
+    assert (sp.cluster_ip, sp.port, sp.node_port, sp.external_ips) == ("10.96.0.10", 80, 30080, ("203.0.113.9",))
+    assert sp.session_affinity_seconds == 60 and sp.external_policy_local
+    sl = parse_endpoint_slice(slices[0])
+    assert sl.service == "web" and sl.ports[0].port == 8080 and sl.endpoints[0].node_name == "n1"
+
+
+def test_service_and_flat_options_are_mutually_exclusive(capsys):
+    out = run_module(capsys, {"service": {"metadata": {"name": "x"}}, "name": "x"})
+    assert out["failed"] and "mutually exclusive" in out["msg"]
+
+
+def test_one_of_service_or_name_is_required(capsys):
+    out = run_module(capsys, {"state": "present"})
+    assert out["failed"] and "one of the following is required" in out["msg"]
+
+
+def test_invalid_object_names_object_and_field(capsys):
+    svc = {"kind": "Service", "metadata": {"name": "web", "namespace": "shop"},
+           "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 99999}]}}
+    out = run_module(capsys, {"service": svc})
+    assert out["failed"] and out["field"] == "spec.ports[0].port" and out["object"] == "shop/web"
+    assert out["msg"].startswith("Service shop/web: spec.ports[0].port:")
+
+
+def test_present_needs_a_cluster_ip_in_flat_form(capsys):
+    out = run_module(capsys, {"name": "web"})
+    assert out["failed"] and "cluster_ip is required" in out["msg"]
+
+
+def test_slices_of_another_service_are_refused(capsys):
+    svc = {"kind": "Service", "metadata": {"name": "web", "namespace": "shop"},
+           "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}}
+    sl = {"kind": "EndpointSlice", "metadata": {"name": "db-1", "namespace": "shop",
+                                                "labels": {"kubernetes.io/service-name": "db"}},
+          "addressType": "IPv4", "endpoints": [], "ports": []}
+    out = run_module(capsys, {"service": svc, "endpoint_slices": [sl]})
+    assert out["failed"] and "belongs to service db" in out["msg"]
