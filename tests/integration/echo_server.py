@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Tiny TCP/UDP identity server for the network-namespace test lab.
+
+Run inside a namespace, e.g.::
+
+    ip netns exec kn1a2b3c-web1 python3 echo_server.py --name web1 --tcp 8080 --udp 5353
+
+Every accepted TCP connection and every received UDP datagram is answered
+with exactly one line and nothing else::
+
+    <name> <local_ip> <peer_ip>:<peer_port>\\n
+
+* ``name``      identifies the backend (the pod name),
+* ``local_ip``  is the address the packet was addressed to after any DNAT,
+* ``peer_ip``   is the client address the backend saw (after any SNAT /
+  masquerade), ``peer_port`` the matching source port.
+
+TCP connections are closed right after the line is sent; the client does not
+have to send anything. UDP answers are sent from the address the datagram was
+addressed to (``IP_PKTINFO``), so they also work in namespaces with several
+addresses.
+
+When every socket is bound and listening, the server prints ``READY`` on
+stdout (and nothing else afterwards); the lab waits for that line. It runs
+until it receives SIGTERM or SIGINT. Only the standard library is used, and
+the interpreter may be started with ``-I -S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import selectors
+import signal
+import socket
+import struct
+import sys
+from types import FrameType
+
+# Not exported by the socket module of every Python version (Linux value).
+IP_PKTINFO: int = getattr(socket, "IP_PKTINFO", 8)
+# struct in_pktinfo { int ipi_ifindex; struct in_addr ipi_spec_dst, ipi_addr; }
+PKTINFO = struct.Struct("=i4s4s")
+SEND_TIMEOUT = 1.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", required=True, help="backend name to report")
+    parser.add_argument("--bind", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--tcp", type=int, action="append", default=[], help="TCP port (repeatable)")
+    parser.add_argument("--udp", type=int, action="append", default=[], help="UDP port (repeatable)")
+    args = parser.parse_args(argv)
+    if not args.tcp and not args.udp:
+        parser.error("at least one --tcp or --udp port is required")
+    return args
+
+
+def reply_line(name: str, local_ip: str, peer: tuple[str, int]) -> bytes:
+    return f"{name} {local_ip} {peer[0]}:{peer[1]}\n".encode()
+
+
+def open_tcp(bind: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((bind, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def open_udp(bind: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+    sock.bind((bind, port))
+    sock.setblocking(False)
+    return sock
+
+
+def serve_tcp(listener: socket.socket, name: str) -> None:
+    try:
+        conn, peer = listener.accept()
+    except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+        return
+    with conn:
+        try:
+            conn.settimeout(SEND_TIMEOUT)
+            local_ip = conn.getsockname()[0]
+            conn.sendall(reply_line(name, local_ip, peer))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # client went away or timed out; nothing useful to do
+
+
+def destination_of(ancdata: list[tuple[int, int, bytes]], fallback: str) -> str:
+    for level, kind, data in ancdata:
+        if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= PKTINFO.size:
+            _ifindex, _spec_dst, addr = PKTINFO.unpack_from(data)
+            return socket.inet_ntoa(addr)
+    return fallback
+
+
+def serve_udp(sock: socket.socket, name: str) -> None:
+    try:
+        _data, ancdata, _flags, peer = sock.recvmsg(65535, socket.CMSG_SPACE(PKTINFO.size))
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError:
+        return  # e.g. a queued ICMP error for an earlier reply
+    local_ip = destination_of(ancdata, sock.getsockname()[0])
+    source = PKTINFO.pack(0, socket.inet_aton(local_ip), bytes(4))
+    try:
+        sock.sendmsg([reply_line(name, local_ip, peer)], [(socket.IPPROTO_IP, IP_PKTINFO, source)], 0, peer)
+    except OSError:
+        pass  # reply dropped (e.g. by a filter rule); the client will time out
+
+
+def install_signal_handlers() -> None:
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    install_signal_handlers()
+    selector = selectors.DefaultSelector()
+    for port in args.tcp:
+        selector.register(open_tcp(args.bind, port), selectors.EVENT_READ, serve_tcp)
+    for port in args.udp:
+        selector.register(open_udp(args.bind, port), selectors.EVENT_READ, serve_udp)
+    print("READY", flush=True)
+    while True:
+        for key, _events in selector.select():
+            key.data(key.fileobj, args.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
