@@ -95,9 +95,12 @@ def plan_service(snapshot: Snapshot, service: Service, state: ProxyState, cfg: i
         for k, rules in infra.items():
             if k[1] in ipt.BUILTIN_CHAINS:
                 after[k] = rules
-                before[k] = [r for r in snapshot.rules.get(k, []) if r in rules]
+                have = set(snapshot.rules.get(k, []))
+                before[k] = [r for r in rules if r in have]  # our jumps only, in our order
             elif k[1] in ipt.SHARED_CHAINS:
                 after.setdefault(k, [])  # must exist: the built-in jumps point at it
+                if k in snapshot.chains:
+                    before.setdefault(k, [])
             elif k[1] in INFRA_OWNED:
                 after[k] = rules
                 if k in snapshot.rules:
