@@ -8,3 +8,5 @@ python3 -m ruff check .
 suites=()
 for d in tests/unit tests/integration; do [ -d "$d" ] && suites+=("$d"); done
 python3 -m pytest -p no:cacheprovider -ra "${suites[@]}" "$@"
+# ansible-test sanity (24 tests: validate-modules, pylint, pep8, yamllint, ...)
+[ "${SKIP_SANITY:-0}" = 1 ] || bash scripts/sanity.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see https://www.apache.org/licenses/LICENSE-2.0)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 
 from __future__ import absolute_import, division, print_function
 
@@ -17,15 +17,17 @@ description:
     iptables mode would program for one Service, using upstream's chain layout and names
     (C(KUBE-SERVICES), C(KUBE-SVC-*), C(KUBE-SEP-*), ...).
   - Other services' rules and rules owned by other software are left alone. The change is
-    applied in one C(iptables-restore --noflush) transaction: all of it or none of it.
+    applied in one C(iptables-restore --noflush) transaction, all of it or none of it.
   - The Service is given either as API objects (O(service) and O(endpoint_slices), as
     M(kubernetes.core.k8s_info) returns them) or with flat options (O(name), O(cluster_ip), O(ports), ...).
 author:
-  - kubenode.proxy developers
+  - kubenode.proxy developers (@kubenode)
 attributes:
   check_mode:
+    description: Computes the change from the kernel's current rules and reports it without applying it.
     support: full
   diff_mode:
+    description: Shows the service's rules (and our jumps and node-wide chains) before and after.
     support: full
 options:
   state:

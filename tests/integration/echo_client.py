@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Probe client for the network-namespace test lab.
 
 Run inside a namespace, e.g.::
@@ -35,13 +34,12 @@ standard library is used, and the interpreter may be started with ``-I -S``.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import socket
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 REFUSED = {errno.ECONNREFUSED, errno.ECONNRESET}
 UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
@@ -49,16 +47,40 @@ DROPPED = {errno.EPERM}
 Result = dict[str, object]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
-    parser.add_argument("--count", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=2.0, help="per request, seconds")
-    parser.add_argument("--source", default=None, help="source address to bind")
-    parser.add_argument("--concurrency", type=int, default=1)
-    return parser.parse_args(argv)
+USAGE = ("usage: echo_client.py --host IP --port N [--proto tcp|udp] [--count N] "
+         "[--timeout SECONDS] [--source IP] [--concurrency N]")
+
+
+class Args:
+    """Command line. Parsed by hand: argparse/getopt/dataclasses would add
+    ~10-20 ms of imports to every probe."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.host: str = values["host"]
+        self.port: int = int(values["port"])
+        self.proto: str = values.get("proto", "tcp")
+        self.count: int = int(values.get("count", "1"))
+        self.timeout: float = float(values.get("timeout", "2.0"))  # per request, seconds
+        self.source: str | None = values.get("source")  # source address to bind
+        self.concurrency: int = int(values.get("concurrency", "1"))
+
+
+def parse_args(argv: list[str]) -> Args:
+    known = {"host", "port", "proto", "count", "timeout", "source", "concurrency"}
+    try:
+        if len(argv) % 2:
+            raise ValueError("options take one value each")
+        values = {}
+        for option, value in zip(argv[::2], argv[1::2], strict=True):
+            if not option.startswith("--") or option[2:] not in known:
+                raise ValueError(f"unknown option {option}")
+            values[option[2:]] = value
+        args = Args(values)
+    except (KeyError, ValueError) as exc:
+        raise SystemExit(f"{USAGE}\nerror: {exc}") from exc
+    if args.proto not in ("tcp", "udp") or args.count < 1 or args.concurrency < 1:
+        raise SystemExit(USAGE)
+    return args
 
 
 def result(outcome: str, error: str | None = None) -> Result:
@@ -105,7 +127,7 @@ def new_socket(kind: socket.SocketKind, source: str | None) -> socket.socket:
     return sock
 
 
-def tcp_request(args: argparse.Namespace) -> Result:
+def tcp_request(args: Args) -> Result:
     deadline = time.monotonic() + args.timeout
     with new_socket(socket.SOCK_STREAM, args.source) as sock:
         sock.settimeout(remaining(deadline))
@@ -122,7 +144,7 @@ def tcp_request(args: argparse.Namespace) -> Result:
     return parse_reply(data)
 
 
-def udp_request(args: argparse.Namespace) -> Result:
+def udp_request(args: Args) -> Result:
     deadline = time.monotonic() + args.timeout
     dropped = None
     with new_socket(socket.SOCK_DGRAM, args.source) as sock:
@@ -142,19 +164,38 @@ def udp_request(args: argparse.Namespace) -> Result:
             return result("timeout", dropped)
 
 
-def one_request(args: argparse.Namespace) -> Result:
+def one_request(args: Args) -> Result:
     try:
         return tcp_request(args) if args.proto == "tcp" else udp_request(args)
     except OSError as exc:  # TimeoutError is an OSError too
         return classify(exc)
 
 
+def run_all(args: Args) -> list[Result]:
+    """Run ``args.count`` requests on ``args.concurrency`` threads, results in order."""
+    results: list[Result] = [result("error", "not run")] * args.count
+    indices = iter(range(args.count))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next(indices, None)
+            if index is None:
+                return
+            results[index] = one_request(args)
+
+    threads = [threading.Thread(target=worker) for _worker in range(min(args.concurrency, args.count))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    workers = max(1, min(args.concurrency, args.count))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for res in pool.map(lambda _i: one_request(args), range(args.count)):
-            print(json.dumps(res), flush=True)
+    sys.stdout.write("".join(json.dumps(res) + "\n" for res in run_all(args)))
     return 0
 
 

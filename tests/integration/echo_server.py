@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Tiny TCP/UDP identity server for the network-namespace test lab.
 
 Run inside a namespace, e.g.::
@@ -28,7 +27,6 @@ the interpreter may be started with ``-I -S``.
 
 from __future__ import annotations
 
-import argparse
 import selectors
 import signal
 import socket
@@ -43,15 +41,36 @@ PKTINFO = struct.Struct("=i4s4s")
 SEND_TIMEOUT = 1.0
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", required=True, help="backend name to report")
-    parser.add_argument("--bind", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--tcp", type=int, action="append", default=[], help="TCP port (repeatable)")
-    parser.add_argument("--udp", type=int, action="append", default=[], help="UDP port (repeatable)")
-    args = parser.parse_args(argv)
-    if not args.tcp and not args.udp:
-        parser.error("at least one --tcp or --udp port is required")
+USAGE = "usage: echo_server.py --name NAME [--bind IP] [--tcp PORT]... [--udp PORT]..."
+
+
+class Args:
+    """Command line. Parsed by hand: argparse/getopt/dataclasses would add
+    ~10-20 ms of imports to every server start."""
+
+    def __init__(self) -> None:
+        self.name = ""  # backend name to report
+        self.bind = "0.0.0.0"
+        self.tcp: list[int] = []
+        self.udp: list[int] = []
+
+
+def parse_args(argv: list[str]) -> Args:
+    args = Args()
+    try:
+        if len(argv) % 2:
+            raise ValueError("options take one value each")
+        for option, value in zip(argv[::2], argv[1::2], strict=True):
+            if option in ("--name", "--bind"):
+                setattr(args, option[2:], value)
+            elif option in ("--tcp", "--udp"):
+                getattr(args, option[2:]).append(int(value))
+            else:
+                raise ValueError(f"unknown option {option}")
+    except ValueError as exc:
+        raise SystemExit(f"{USAGE}\nerror: {exc}") from exc
+    if not args.name or not (args.tcp or args.udp):
+        raise SystemExit(USAGE)
     return args
 
 

@@ -426,7 +426,7 @@ class Lab:
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _own_namespaces(self) -> list[str]:
-        known = [ns for ns in reversed(self._namespaces)]
+        known = list(reversed(self._namespaces))
         return known + [ns for ns in list_namespaces() if ns.startswith(self.prefix) and ns not in known]
 
     def _stop_processes(self, grace: float = 2.0) -> None:

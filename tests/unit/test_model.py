@@ -83,9 +83,9 @@ def test_endpoint_slice_errors(mutate, path):
 
 
 def test_endpoint_conditions_follow_upstream_defaults():
-    sl = parse_endpoint_slice(endpoint_slice("ns", "s", [
-        endpoint("10.244.0.1"), endpoint("10.244.0.2", ready=False), endpoint("10.244.0.3", ready=False, serving=True,
-                                                                               terminating=True)], [slice_port()]))
+    eps = [endpoint("10.244.0.1"), endpoint("10.244.0.2", ready=False),
+           endpoint("10.244.0.3", ready=False, serving=True, terminating=True)]
+    sl = parse_endpoint_slice(endpoint_slice("ns", "s", eps, [slice_port()]))
     (a, b, c) = sl.endpoints
     assert (a.ready, a.serving, a.terminating) == (True, True, False)
     assert (b.ready, b.serving, b.terminating) == (False, False, False)

@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """``kubenode-proxy``: the proxy daemon's command line (upstream flag names).
 
 Exit codes: 0 success; 1 a sync or the cleanup failed (kernel left as it was);
@@ -91,7 +91,17 @@ def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) ->
 
 
 def _log(msg: str) -> None:
-    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}", flush=True)
+    _out(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}")
+
+
+def _out(msg: str) -> None:
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
+def _err(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -99,10 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(args)
     except kpconfig.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _err(f"error: {e}")
         return 2
     if cfg.mode != "iptables":
-        print(f"error: proxy mode {cfg.mode!r} is not implemented yet (only iptables)", file=sys.stderr)
+        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (only iptables)")
         return 2
     hostname = (cfg.hostname_override or socket.gethostname()).strip().lower()
     state = ProxyState(hostname)
@@ -113,27 +123,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             n = proxier.cleanup()
         except KernelError as e:
-            print(f"error: cleanup failed: {e}", file=sys.stderr)
+            _err(f"error: cleanup failed: {e}")
             return 1
         _log(f"cleanup: removed {n} chains and their jumps")
         return 0
 
     if not args.manifests:
-        print("error: no source: pass --manifests DIR (the Kubernetes API source comes with the watch loop)",
-              file=sys.stderr)
+        _err("error: no source: pass --manifests DIR (the Kubernetes API source comes with the watch loop)")
         return 2
 
     rejected = _reload(state, args.manifests, hostname)
     try:
         proxier = IptablesProxier(state, iptables_config(cfg, state, args.netns), kernel)
     except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _err(f"error: {e}")
         return 1
     if args.once:
         try:
             result = proxier.sync(force_full=True)
         except KernelError as e:
-            print(f"error: sync failed: {e}", file=sys.stderr)
+            _err(f"error: sync failed: {e}")
             return 1
         _report(result, args.verbose)
         return 3 if rejected else 0
@@ -143,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _reload(state: ProxyState, directory: str, hostname: str) -> int:
     loaded = load_dir(directory)
     for err in loaded.errors:
-        print(f"rejected: {err}", file=sys.stderr)
+        _err(f"rejected: {err}")
     state.replace_all(loaded.services, loaded.slices)
     state.node = loaded.node(hostname)
     return len(loaded.errors)
@@ -153,7 +162,7 @@ def _report(result, verbose: bool) -> None:
     _log(result.summary())
     if verbose:
         for change in result.changes:
-            print(f"  {change}")
+            _out(f"  {change}")
 
 
 def _loop(proxier: IptablesProxier, state: ProxyState, args: argparse.Namespace, cfg: kpconfig.ProxyConfig,
@@ -170,10 +179,6 @@ def _loop(proxier: IptablesProxier, state: ProxyState, args: argparse.Namespace,
             if result.full:
                 last_full = now
         except KernelError as e:
-            print(f"error: sync failed, will retry with a full sync: {e}", file=sys.stderr)
+            _err(f"error: sync failed, will retry with a full sync: {e}")
         time.sleep(max(cfg.min_sync_period, 0.1))
         _reload(state, args.manifests, hostname)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """Upstream's KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1), strictly parsed.
 
 Unknown fields and bad values are rejected with the field's path; fields that exist

@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """Which endpoints a service port uses for Cluster and Local traffic (upstream's
 CategorizeEndpoints, without topology hints)."""
 

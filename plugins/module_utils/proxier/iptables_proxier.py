@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """iptables mode: state -> compile (per service, cached) -> plan -> one restore.
 
 A full sync re-reads the kernel and reconciles every chain we own; a partial sync

@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """One Service's rules on a host that may hold many: what the kernel has for it, what it
 should have, and the plan between them (the k8s_service_iptables module's core).
 
@@ -67,7 +67,7 @@ class ServicePlan:
 
     @property
     def chains(self) -> List[str]:
-        return sorted({c for (_, c) in self.after if c.startswith(ipt.SERVICE_CHAIN_PREFIXES)})
+        return sorted({chain for (_table, chain) in self.after if chain.startswith(ipt.SERVICE_CHAIN_PREFIXES)})
 
     @property
     def rule_counts(self) -> Dict[str, int]:

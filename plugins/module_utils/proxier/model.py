@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """Frozen value objects parsed and validated from Kubernetes API dicts.
 
 Parsing is the only gate to the kernel: anything that reaches a backend has been
@@ -378,7 +378,7 @@ def parse_endpoint_slice(obj: Mapping[str, Any], proxy_name: str = "") -> Endpoi
 
 
 def parse_node(obj: Mapping[str, Any]) -> Node:
-    _, name = _meta(obj, "Node")
+    name = _meta(obj, "Node")[1]
     err = _Err("Node", name)
     spec = obj.get("spec") or {}
     cidrs = []

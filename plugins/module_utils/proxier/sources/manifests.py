@@ -1,5 +1,5 @@
 # Copyright (c) kubenode.proxy contributors
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """The static source: a directory of YAML/JSON files holding Services, EndpointSlices
 and Nodes (one or many documents per file, or ``kind: List``)."""
 
