@@ -12,22 +12,21 @@ Results are appended to benchmarks/results/iptables_sync.txt with the date.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = Path(tempfile.gettempdir()) / f"kubenode-proxy-{os.getuid()}" / "collections"
-LINK = BASE / "ansible_collections" / "kubenode" / "proxy"
-if not LINK.exists():
-    LINK.parent.mkdir(parents=True, exist_ok=True)
-    LINK.symlink_to(ROOT)
-sys.path.insert(0, str(BASE))
+_loader = importlib.machinery.SourceFileLoader("kubenode_proxy_bin", str(ROOT / "bin" / "kubenode-proxy"))
+_bin = importlib.util.module_from_spec(importlib.util.spec_from_loader("kubenode_proxy_bin", _loader))
+_loader.exec_module(_bin)
+_bin.setup_path()
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import iptables as ipt  # noqa: E402
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402

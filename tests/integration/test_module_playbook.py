@@ -12,7 +12,7 @@ import pytest
 import yaml
 from proxyctl import save
 
-COLLECTIONS = next(p for p in sys.path if p.endswith(os.path.join("kubenode-proxy-%d" % os.getuid(), "collections")))
+COLLECTIONS = os.environ["KUBENODE_COLLECTIONS_PATH"]  # set by tests/conftest.py
 PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
 
 
