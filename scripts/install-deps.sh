@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(iptables nftables ipset conntrack iproute2 curl procps kmod)
+PKGS=(iptables nftables ipset conntrack iproute2 curl procps kmod shellcheck)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -4,7 +4,6 @@
 # beyond package registries, so we give it a stand-in that uses ensurepip + pip install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$(pwd)
 work=$(mktemp -d /tmp/kubenode-sanity.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
