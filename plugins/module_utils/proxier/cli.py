@@ -16,9 +16,9 @@ import time
 from typing import List, Optional
 
 from . import config as kpconfig
+from .app import iptables_config
 from .backends.iptables import IptablesConfig
 from .iptables_proxier import IptablesProxier
-from .kernel.addresses import local_addresses, match_node_port_addresses
 from .kernel.iptables import IptablesKernel, KernelError
 from .sources.manifests import load_dir
 from .state import ProxyState
@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cleanup", action="store_true", help="remove every rule and chain this proxy creates, then exit")
     p.add_argument("--manifests", metavar="DIR", help="static source: a directory of Service/EndpointSlice/Node YAML")
     p.add_argument("--once", action="store_true", help="one sync, then exit (0 on success)")
+    p.add_argument("--kubeconfig", help="kubeconfig for the API server (default: the config file's, or in-cluster)")
+    p.add_argument("--master", help="API server address, overrides the kubeconfig's")
+    p.add_argument("--healthz-bind-address", help="host:port of /healthz and /livez (default 127.0.0.1:10256)")
+    p.add_argument("--metrics-bind-address", help="host:port of /metrics (default 127.0.0.1:10249)")
+    p.add_argument("--iptables-min-sync-period", help="minimum interval between syncs (Go duration, e.g. 1s)")
+    p.add_argument("--iptables-sync-period", help="maximum interval between full syncs (Go duration, e.g. 30s)")
     p.add_argument("--netns", default="", help="operate inside this named network namespace (labs, tests)")
     p.add_argument("--iptables", default="iptables", metavar="BINARY",
                    help="iptables binary family: iptables, iptables-nft or iptables-legacy")
@@ -64,30 +70,21 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
         cfg.cluster_cidrs = kpconfig._cidrs(args.cluster_cidr, "--cluster-cidr")
     if args.masquerade_all:
         cfg.masquerade_all = True
+    if args.kubeconfig:
+        cfg.kubeconfig = args.kubeconfig
+    if args.healthz_bind_address is not None:
+        cfg.healthz_bind_address = kpconfig.bind_address(args.healthz_bind_address, "--healthz-bind-address")
+    if args.metrics_bind_address is not None:
+        cfg.metrics_bind_address = kpconfig.bind_address(args.metrics_bind_address, "--metrics-bind-address")
+    if args.iptables_min_sync_period:
+        cfg.min_sync_period = kpconfig.parse_duration(args.iptables_min_sync_period, "--iptables-min-sync-period")
+    if args.iptables_sync_period:
+        cfg.sync_period = kpconfig.parse_duration(args.iptables_sync_period, "--iptables-sync-period")
+    if cfg.min_sync_period > cfg.sync_period:
+        raise kpconfig.ConfigError("--iptables-min-sync-period", "must not be greater than the sync period")
     if args.nodeport_addresses is not None:
         cfg.node_port_addresses = kpconfig.node_port_addresses(args.nodeport_addresses, "--nodeport-addresses")
     return cfg
-
-
-def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> IptablesConfig:
-    addresses = local_addresses(netns)
-    match_all, np_ips = match_node_port_addresses(cfg.node_port_addresses, addresses)
-    local_cidrs: tuple = ()
-    iface = ""
-    mode = cfg.detect_local_mode
-    if mode == "ClusterCIDR":
-        local_cidrs = tuple(c for c in cfg.cluster_cidrs if ":" not in c)
-    elif mode == "NodeCIDR":
-        local_cidrs = tuple(c for c in (state.node.pod_cidrs if state.node else ()) if ":" not in c)
-    elif mode == "BridgeInterface":
-        iface = cfg.bridge_interface
-    else:
-        iface = cfg.interface_name_prefix
-    return IptablesConfig(
-        masquerade_bit=cfg.masquerade_bit, masquerade_all=cfg.masquerade_all, local_mode=mode,
-        local_cidrs=local_cidrs, local_interface=iface, node_port_ips=np_ips, node_port_match_all=match_all,
-        localhost_nodeports=cfg.localhost_nodeports, node_ips=tuple(addresses),
-    )
 
 
 def _log(msg: str) -> None:
@@ -128,8 +125,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         _log(f"cleanup: removed {n} chains and their jumps")
         return 0
 
+    if not args.once:
+        from .app import run
+
+        return run(cfg, args, hostname, kernel, log=_log, verbose=args.verbose)
     if not args.manifests:
-        _err("error: no source: pass --manifests DIR (the Kubernetes API source comes with the watch loop)")
+        _err("error: --once needs --manifests DIR")
         return 2
 
     rejected = _reload(state, args.manifests, hostname)
@@ -138,15 +139,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RuntimeError as e:
         _err(f"error: {e}")
         return 1
-    if args.once:
-        try:
-            result = proxier.sync(force_full=True)
-        except KernelError as e:
-            _err(f"error: sync failed: {e}")
-            return 1
-        _report(result, args.verbose)
-        return 3 if rejected else 0
-    return _loop(proxier, state, args, cfg, hostname)
+    try:
+        result = proxier.sync(force_full=True)
+    except KernelError as e:
+        _err(f"error: sync failed: {e}")
+        return 1
+    _report(result, args.verbose)
+    return 3 if rejected else 0
 
 
 def _reload(state: ProxyState, directory: str, hostname: str) -> int:
@@ -165,20 +164,3 @@ def _report(result, verbose: bool) -> None:
             _out(f"  {change}")
 
 
-def _loop(proxier: IptablesProxier, state: ProxyState, args: argparse.Namespace, cfg: kpconfig.ProxyConfig,
-          hostname: str) -> int:
-    """Poll the manifests directory (the watch-based engine replaces this loop)."""
-    last_full = 0.0
-    while True:
-        now = time.monotonic()
-        full = now - last_full >= cfg.sync_period
-        try:
-            result = proxier.sync(force_full=full)
-            if full or result.changes:
-                _report(result, args.verbose)
-            if result.full:
-                last_full = now
-        except KernelError as e:
-            _err(f"error: sync failed, will retry with a full sync: {e}")
-        time.sleep(max(cfg.min_sync_period, 0.1))
-        _reload(state, args.manifests, hostname)

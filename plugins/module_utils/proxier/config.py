@@ -171,18 +171,23 @@ def _str_field(attr: str):
     return h
 
 
+def bind_address(v: Any, path: str) -> str:
+    """host:port (empty disables the server)."""
+    v = _expect(v or "", path, str)
+    if v:
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(path, f"{v!r} must be host:port")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            raise ConfigError(path, f"{host!r} is not an IP address") from None
+    return v
+
+
 def _addr(attr: str):
     def h(cfg: ProxyConfig, v: Any, path: str) -> None:
-        v = _expect(v or "", path, str)
-        if v:
-            host, sep, port = v.rpartition(":")
-            if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-                raise ConfigError(path, f"{v!r} must be host:port")
-            try:
-                ipaddress.ip_address(host.strip("[]"))
-            except ValueError:
-                raise ConfigError(path, f"{host!r} is not an IP address") from None
-        setattr(cfg, attr, v)
+        setattr(cfg, attr, bind_address(v, path))
     return h
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from .backends import iptables as ipt
 from .backends.iptables_plan import Plan, plan
@@ -31,6 +31,7 @@ class SyncResult:
     apply_seconds: float = 0.0
     total_seconds: float = 0.0
     no_endpoint_ports: int = 0
+    changed: Set[str] = field(default_factory=set)  # services ("ns/name") this sync covered
 
     def summary(self) -> str:
         kind = "full" if self.full else "partial"
@@ -76,6 +77,7 @@ class IptablesProxier:
             self.need_full = True
             raise
         self.need_full = False
+        result.changed = changed
         return result
 
     def _full_sync(self, cfg: ipt.IptablesConfig, start: float) -> SyncResult:

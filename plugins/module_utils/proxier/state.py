@@ -63,15 +63,22 @@ class ProxyState:
         self._changed.add(svc_key)
 
     def replace_all(self, services: Iterable[Service], slices: Iterable[EndpointSlice]) -> None:
-        """Make the state exactly these objects (a relist or a manifests reload)."""
+        """Make the state exactly these objects (a manifests reload)."""
+        self.replace_services(services)
+        self.replace_slices(slices)
+
+    def replace_services(self, services: Iterable[Service]) -> None:
+        """Exactly these services (a relist): only real differences count as changes."""
         new_svcs = {f"{s.namespace}/{s.name}": s for s in services}
-        new_slices = {f"{s.namespace}/{s.name}": s for s in slices}
         for key in list(self.services):
             if key not in new_svcs:
                 ns, name = key.split("/", 1)
                 self.delete_service(ns, name)
         for svc in new_svcs.values():
             self.set_service(svc)
+
+    def replace_slices(self, slices: Iterable[EndpointSlice]) -> None:
+        new_slices = {f"{s.namespace}/{s.name}": s for s in slices}
         for key in list(self.slices):
             if key not in new_slices:
                 ns, name = key.split("/", 1)

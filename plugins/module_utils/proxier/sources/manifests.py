@@ -70,7 +70,8 @@ def load_objects(objects: List[Tuple[str, Any]], proxy_name: str = "") -> Loaded
     return out
 
 
-def load_dir(directory: str, proxy_name: str = "") -> Loaded:
+def read_dir(directory: str) -> Tuple[List[Tuple[str, Any]], List[str]]:
+    """Every document under ``directory`` as (origin, object), and per-file errors."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"manifests directory {directory!r} does not exist")
     objects: List[Tuple[str, Any]] = []
@@ -82,10 +83,16 @@ def load_dir(directory: str, proxy_name: str = "") -> Loaded:
                 continue
             path = os.path.join(root, name)
             try:
-                for i, doc in _documents(path):
-                    objects.append((f"{path}#{i}", doc))
+                docs = list(_documents(path))
             except Exception as e:  # a YAML syntax error names the file; other files still load
                 errors.append(f"{path}: cannot parse: {e}")
+                continue
+            objects.extend((f"{path}#{i}", doc) for i, doc in docs)
+    return objects, errors
+
+
+def load_dir(directory: str, proxy_name: str = "") -> Loaded:
+    objects, errors = read_dir(directory)
     out = load_objects(objects, proxy_name)
     out.errors[:0] = errors
     return out

@@ -1,0 +1,86 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) kubenode.proxy contributors
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Upstream's bounded-frequency sync runner, with a change intake that never blocks.
+
+- ``request()`` (any thread) asks for a sync; syncs run at most once per
+  ``min_period`` and at least once per ``sync_period`` (then as a full sync).
+- A failed sync is retried as a full sync after a capped backoff (``min_period``
+  doubling up to ``sync_period``); upstream waits a whole syncPeriod, which leaves a
+  node broken for 30 s after a transient failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+
+class BoundedFrequencyRunner:
+    def __init__(self, sync_fn: Callable[[bool], object], min_period: float, sync_period: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_error: Callable[[BaseException], None] = lambda e: None) -> None:
+        self.sync_fn = sync_fn
+        self.min_period = max(0.0, min_period)
+        self.sync_period = max(self.min_period, sync_period)
+        self.clock = clock
+        self.on_error = on_error
+        self._cond = threading.Condition()
+        self._pending = False
+        self._stop = False
+        self._last_run = float("-inf")
+        self._last_full = float("-inf")
+        self._failures = 0
+        self._retry_at: Optional[float] = None
+        self.runs = 0
+
+    def request(self) -> None:
+        with self._cond:
+            self._pending = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def _next_due(self, now: float) -> float:
+        """When the next sync may or must run."""
+        due = self._last_full + self.sync_period
+        if self._pending:
+            due = min(due, self._last_run + self.min_period)
+        if self._retry_at is not None:
+            due = min(due, self._retry_at)
+        return due
+
+    def loop(self) -> None:
+        """Run until stop(); call from the thread that owns the proxier."""
+        while True:
+            with self._cond:
+                while not self._stop:
+                    now = self.clock()
+                    due = self._next_due(now)
+                    if due <= now:
+                        break
+                    self._cond.wait(min(due - now, 1.0))
+                if self._stop:
+                    return
+                now = self.clock()
+                full = now - self._last_full >= self.sync_period or self._retry_at is not None
+                self._pending = False
+                self._retry_at = None
+                self._last_run = now
+            try:
+                self.sync_fn(full)
+            except Exception as e:  # the proxier keeps the kernel's last good state
+                self._failures += 1
+                delay = min(self.sync_period, max(self.min_period, 0.5) * (2 ** (self._failures - 1)))
+                with self._cond:
+                    self._retry_at = self.clock() + delay
+                self.on_error(e)
+            else:
+                self._failures = 0
+                if full:
+                    self._last_full = now
+            self.runs += 1
