@@ -46,12 +46,13 @@ class BoundedFrequencyRunner:
             self._cond.notify()
 
     def _next_due(self, now: float) -> float:
-        """When the next sync may or must run."""
+        """When the next sync may or must run. After a failure only the retry counts:
+        changes arriving meanwhile ride on it instead of hammering a failing kernel."""
+        if self._retry_at is not None:
+            return self._retry_at
         due = self._last_full + self.sync_period
         if self._pending:
             due = min(due, self._last_run + self.min_period)
-        if self._retry_at is not None:
-            due = min(due, self._retry_at)
         return due
 
     def loop(self) -> None:
@@ -71,6 +72,8 @@ class BoundedFrequencyRunner:
                 self._pending = False
                 self._retry_at = None
                 self._last_run = now
+            if full:
+                self._last_full = now  # the period counts from the attempt, failed or not
             try:
                 self.sync_fn(full)
             except Exception as e:  # the proxier keeps the kernel's last good state
@@ -81,6 +84,4 @@ class BoundedFrequencyRunner:
                 self.on_error(e)
             else:
                 self._failures = 0
-                if full:
-                    self._last_full = now
             self.runs += 1

@@ -1,0 +1,83 @@
+"""The bounded-frequency runner: rate limit, periodic full syncs, retry after failure."""
+import threading
+import time
+
+import pytest
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sync import BoundedFrequencyRunner
+
+
+class Recorder:
+    def __init__(self, fail_first=0):
+        self.calls = []
+        self.fail_first = fail_first
+
+    def __call__(self, full):
+        self.calls.append((time.monotonic(), full))
+        if len(self.calls) <= self.fail_first:
+            raise RuntimeError("kernel said no")
+
+
+@pytest.fixture
+def running():
+    started = []
+
+    def start(runner):
+        t = threading.Thread(target=runner.loop, daemon=True)
+        t.start()
+        started.append((runner, t))
+        return runner
+
+    yield start
+    for runner, t in started:
+        runner.stop()
+        t.join(5)
+        assert not t.is_alive()
+
+
+def test_first_sync_is_full_and_bursts_are_rate_limited(running):
+    rec = Recorder()
+    runner = running(BoundedFrequencyRunner(rec, min_period=0.3, sync_period=60))
+    time.sleep(0.1)
+    assert rec.calls[0][1] is True
+    start = time.monotonic()
+    for _ in range(50):
+        runner.request()
+        time.sleep(0.01)
+    time.sleep(0.5)
+    elapsed = time.monotonic() - start
+    # 50 requests, but syncs at most once per 0.3 s, all partial.
+    later = rec.calls[1:]
+    assert 1 <= len(later) <= elapsed / 0.3 + 1 and not any(full for _, full in later)
+    gaps = [b[0] - a[0] for a, b in zip(rec.calls, rec.calls[1:])]
+    assert all(g >= 0.29 for g in gaps), gaps
+
+
+def test_periodic_full_sync_without_requests(running):
+    rec = Recorder()
+    running(BoundedFrequencyRunner(rec, min_period=0.05, sync_period=0.3))
+    time.sleep(1.0)
+    assert len(rec.calls) >= 3 and all(full for _, full in rec.calls)
+
+
+def test_failure_is_retried_as_full_sync_before_the_sync_period(running):
+    rec = Recorder(fail_first=2)
+    errors = []
+    runner = running(BoundedFrequencyRunner(rec, min_period=0.05, sync_period=30, on_error=errors.append))
+    time.sleep(0.1)
+    runner.request()
+    time.sleep(2.0)
+    assert len(errors) == 2 and len(rec.calls) == 3, rec.calls
+    assert all(full for _, full in rec.calls)  # each retry is a full sync
+    gaps = [b[0] - a[0] for a, b in zip(rec.calls, rec.calls[1:])]
+    assert 0.45 <= gaps[0] < 0.8 and 0.95 <= gaps[1] < 1.4, gaps  # backoff 0.5 s, then 1 s
+
+
+def test_stop_returns_promptly(running):
+    runner = BoundedFrequencyRunner(Recorder(), min_period=1, sync_period=3600)
+    t = threading.Thread(target=runner.loop)
+    t.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    runner.stop()
+    t.join(3)
+    assert not t.is_alive() and time.monotonic() - start < 1.5
