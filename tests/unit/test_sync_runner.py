@@ -3,6 +3,7 @@ import threading
 import time
 
 import pytest
+
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sync import BoundedFrequencyRunner
 
 
