@@ -1,0 +1,81 @@
+"""kubenode-proxy as a daemon inside the node namespace, following a manifests directory:
+traffic follows edits, a malformed object is logged and skipped, SIGTERM leaves rules."""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections import Counter
+
+import pytest
+from proxyctl import BIN, eps, save, svc, tcp, write_manifests
+
+HTTP = [tcp(80, "http")]
+HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
+
+
+def wait_for(predicate, timeout=10.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
+
+
+def backends(lab, ip, count=10):
+    replies = lab.request_many("client", ip, 80, count=count, timeout=1.0)
+    return Counter(r.backend if r.ok else r.outcome for r in replies)
+
+
+@pytest.fixture
+def daemon(lab, tmp_path):
+    for name, ip in PODS.items():
+        lab.add_pod(name, ip)
+    lab.add_client("client", "10.244.2.10")
+    manifests = tmp_path / "manifests"
+    write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", PODS.values(), HTTP_EP)])
+    proc = lab.spawn("node", [sys.executable, str(BIN), "--manifests", str(manifests), "--hostname-override", "node1",
+                              "--cluster-cidr", "10.244.0.0/16", "--iptables-min-sync-period", "100ms",
+                              "--healthz-bind-address", "127.0.0.1:10256",
+                              "--metrics-bind-address", "127.0.0.1:10249"])
+    lab.daemon = proc
+    lab.manifests = manifests
+    yield lab
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+
+
+def test_daemon_follows_manifest_edits(daemon):
+    lab = daemon
+    wait_for(lambda: set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"})
+    write_manifests(lab.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [PODS["be2"]], HTTP_EP),
+                                    svc("api", "10.96.0.11", HTTP), eps("api", [PODS["be1"]], HTTP_EP)])
+    wait_for(lambda: backends(lab, "10.96.0.10") == Counter({"be2": 10}))
+    assert backends(lab, "10.96.0.11", 5) == Counter({"be1": 5})
+    write_manifests(lab.manifests, [svc("api", "10.96.0.11", HTTP), eps("api", [PODS["be1"]], HTTP_EP)])
+    wait_for(lambda: "10.96.0.10/32" not in save(lab.ns("node"), "nat"))
+    assert backends(lab, "10.96.0.11", 5) == Counter({"be1": 5})
+
+
+def test_malformed_object_is_skipped_and_others_keep_working(daemon):
+    lab = daemon
+    wait_for(lambda: set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"})
+    bad = svc("bad", "10.96.0.12", [{"name": "http", "port": "eighty", "protocol": "TCP"}])
+    write_manifests(lab.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", PODS.values(), HTTP_EP), bad,
+                                    svc("api", "10.96.0.11", HTTP), eps("api", [PODS["be1"]], HTTP_EP)])
+    wait_for(lambda: backends(lab, "10.96.0.11", 3) == Counter({"be1": 3}))
+    assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
+    assert "10.96.0.12" not in save(lab.ns("node"), "nat")
+
+
+def test_sigterm_leaves_rules_in_place(daemon):
+    lab = daemon
+    wait_for(lambda: set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"})
+    lab.daemon.send_signal(signal.SIGTERM)
+    assert lab.daemon.wait(10) == 0
+    assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
+    assert "KUBE-SERVICES" in save(lab.ns("node"), "nat")
