@@ -79,3 +79,56 @@ def test_sigterm_leaves_rules_in_place(daemon):
     assert lab.daemon.wait(10) == 0
     assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
     assert "KUBE-SERVICES" in save(lab.ns("node"), "nat")
+
+
+def http(lab, url):
+    """(status, body) of a GET made inside the node namespace."""
+    out = lab.exec("node", ["curl", "-s", "-m", "3", "-w", "\n%{http_code}", url], check=False).stdout
+    body, _, code = out.rpartition("\n")
+    return int(code or 0), body
+
+
+def metric(text, name):
+    """Sum of a metric's samples (all label sets) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_healthz_and_metrics_follow_sync_failures(lab, tmp_path):
+    for name, ip in PODS.items():
+        lab.add_pod(name, ip)
+    lab.add_client("client", "10.244.2.10")
+    manifests = tmp_path / "m"
+    write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", PODS.values(), HTTP_EP)])
+    proc = lab.spawn("node", [sys.executable, str(BIN), "--manifests", str(manifests), "--hostname-override", "node1",
+                              "--cluster-cidr", "10.244.0.0/16", "--iptables-min-sync-period", "100ms",
+                              "--iptables-sync-period", "1s"])
+    try:
+        wait_for(lambda: http(lab, "http://127.0.0.1:10256/healthz")[0] == 200)
+        code, body = http(lab, "http://127.0.0.1:10256/healthz")
+        assert '"nodeEligible":true' in body and '"lastUpdated"' in body
+        assert http(lab, "http://127.0.0.1:10256/livez")[0] == 200
+        text = http(lab, "http://127.0.0.1:10249/metrics")[1]
+        assert metric(text, "kubeproxy_sync_proxy_rules_duration_seconds_count") >= 1
+        assert metric(text, 'kubeproxy_sync_proxy_rules_iptables_total{table="nat"}') > 0
+        # Another program jumps to one of our endpoint chains: deleting that chain now fails
+        # ("busy") on every attempt, so syncs keep failing until the foreign rule is gone.
+        nat = save(lab.ns("node"), "nat")
+        sep = next(line.split()[-1] for line in nat.splitlines()
+                   if line.startswith("-A KUBE-SVC-") and "10.244.1.2:8080" in line)
+        lab.iptables_restore(f"*nat\n-A OUTPUT -d 10.9.9.9/32 -j {sep}\nCOMMIT\n")
+        write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [PODS["be1"]], HTTP_EP)])
+        wait_for(lambda: http(lab, "http://127.0.0.1:10256/healthz")[0] == 503, timeout=15)
+        text = http(lab, "http://127.0.0.1:10249/metrics")[1]
+        assert metric(text, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total") >= 1
+        # Traffic still uses the last good rules meanwhile.
+        assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
+        lab.exec("node", ["iptables", "-t", "nat", "-D", "OUTPUT", "-d", "10.9.9.9/32", "-j", sep])
+        wait_for(lambda: http(lab, "http://127.0.0.1:10256/healthz")[0] == 200, timeout=15)
+        wait_for(lambda: backends(lab, "10.96.0.10") == Counter({"be1": 10}))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import config as kpconfig
 from .backends.iptables import IptablesConfig
 from .daemon import Daemon, Hooks, ManifestsWatcher
+from .endpoints import categorize
+from .healthcheck import HealthCheckServers
+from .healthz import MetricsServer, ProxyHealthServer, health_timeout
 from .iptables_proxier import IptablesProxier, SyncResult
 from .kernel.addresses import local_addresses, match_node_port_addresses
+from .kernel.conntrack import ConntrackCleaner, ServiceTarget
 from .kernel.iptables import IptablesKernel
+from .metrics import ProxyMetrics
 from .state import ProxyState
 
 LogFn = Callable[[str], None]
@@ -44,7 +49,7 @@ def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) ->
 
 
 class NodeHooks(Hooks):
-    """Connects sync results to the parts of the node that follow them."""
+    """Connects the daemon to health, metrics, health check node ports and conntrack."""
 
     def __init__(self, cfg: kpconfig.ProxyConfig, state: ProxyState, proxier: IptablesProxier, netns: str,
                  log: LogFn) -> None:
@@ -53,6 +58,44 @@ class NodeHooks(Hooks):
         self.proxier = proxier
         self.netns = netns
         self.log = log
+        self.metrics = ProxyMetrics()
+        self.health = ProxyHealthServer(cfg.healthz_bind_address or "127.0.0.1:0", health_timeout(cfg.sync_period),
+                                        metrics=self.metrics, log=log)
+        self.metrics_server = MetricsServer(cfg.metrics_bind_address or "127.0.0.1:0", self.metrics, log=log)
+        # Health check node ports are probed by the external load balancer, so like
+        # NodePorts they listen on the NodePort addresses (all addresses by default).
+        bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and list(proxier.cfg.node_port_ips)
+        self.health_checks = HealthCheckServers(bind or "0.0.0.0", self.health, log=log)
+        self.hc_ports: Dict[Tuple[str, str], int] = {}
+        self.hc_local: Dict[Tuple[str, str], int] = {}
+        self.conntrack = ConntrackCleaner(netns, clear_without_endpoints=True) if _has_pyroute2() else None
+        if self.conntrack is None:
+            log("pyroute2 is not installed: stale UDP conntrack entries will not be removed")
+        self.udp_targets: Dict[str, List[ServiceTarget]] = {}
+        self.pending: Callable[[], bool] = lambda: False  # set by run(): is the daemon's intake non-empty?
+
+    def start(self) -> None:
+        if self.cfg.healthz_bind_address:
+            self.health.start()
+        if self.cfg.metrics_bind_address:
+            self.metrics_server.start()
+        self.health.updated()  # as upstream's sync loop: the clock for "syncs keep up" starts now
+
+    def stop(self) -> None:
+        self.health_checks.stop()
+        self.health.stop()
+        self.metrics_server.stop()
+
+    def queued(self, kind: str, count: int) -> None:
+        if kind == "Service":
+            self.metrics.service_changes_total.inc(count)
+        elif kind == "EndpointSlice":
+            self.metrics.endpoint_changes_total.inc(count)
+        self.metrics.sync_proxy_rules_last_queued_timestamp.set_to_current_time()
+        self.health.queued_update()
+
+    def node_seen(self, obj: Dict[str, Any]) -> None:
+        self.health.sync_node(obj)
 
     def node_changed(self, node: Any) -> bool:
         if self.cfg.detect_local_mode != "NodeCIDR":
@@ -61,7 +104,87 @@ class NodeHooks(Hooks):
         return True
 
     def synced(self, result: SyncResult, latencies: List[float]) -> None:
-        pass
+        self.health.updated()
+        if self.pending():
+            # Changes queued while this sync ran are not in the kernel yet.
+            self.health.queued_update()
+        self.metrics.observe_sync(result.total_seconds, result.full)
+        for seconds in latencies:
+            self.metrics.network_programming_latency.observe(max(0.0, seconds))
+        for table, count in self.proxier.rule_counts().items():
+            self.metrics.iptables_rules_total.labels(table=table).set(count)
+        keys = set(self.state.services) if result.full else result.changed
+        self._health_checks(keys)
+        self._conntrack(keys)
+
+    def sync_failed(self, error: BaseException) -> None:
+        # The kernel lags the cluster until a sync succeeds: healthz turns 503 once this
+        # has lasted the health timeout.
+        self.health.queued_update()
+        self.metrics.sync_failures_total.inc()
+        self.metrics.iptables_restore_failures_total.inc()
+        if not self.proxier.last_attempt_full:
+            self.metrics.iptables_partial_restore_failures_total.inc()
+
+    def _health_checks(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            ns, name = key.split("/", 1)
+            ports = self.state.ports_of(key)
+            hc = next((p.health_check_node_port for p in ports if p.health_check_node_port), 0)
+            if not hc:
+                self.hc_ports.pop((ns, name), None)
+                self.hc_local.pop((ns, name), None)
+                continue
+            self.hc_ports[(ns, name)] = hc
+            eps = self.state.endpoints_for(key)
+            local = {str(ep) for sp in ports for ep in categorize(eps.get(sp.name, []), sp).local}
+            self.hc_local[(ns, name)] = len({e.rsplit(":", 1)[0] for e in local})
+        failed = self.health_checks.sync_services(dict(self.hc_ports))
+        for nsn, err in (failed or {}).items():
+            self.log(f"health check node port for service {nsn[0]}/{nsn[1]}: {err}")
+        self.health_checks.sync_endpoints(dict(self.hc_local))
+
+    def _conntrack(self, keys: Iterable[str]) -> None:
+        """Stale UDP/SCTP flows of changed services: their endpoints went or changed."""
+        if self.conntrack is None:
+            return
+        targets: List[ServiceTarget] = []
+        for key in keys:
+            new = udp_targets(self.state, key)
+            old = self.udp_targets.pop(key, [])
+            if new:
+                self.udp_targets[key] = new
+            # A deleted port keeps its addresses with no endpoints: all its flows go.
+            kept = {(t.proto, t.port) for t in new}
+            targets += new + [ServiceTarget(t.proto, t.ips, t.port, t.node_port, set())
+                              for t in old if (t.proto, t.port) not in kept]
+        if not targets:
+            return
+        result = self.conntrack.cleanup(targets)
+        if result.deleted or result.errors:
+            self.log(f"conntrack: removed {result.deleted} stale UDP/SCTP flows in {result.seconds * 1000:.0f} ms"
+                     + (f"; errors: {'; '.join(result.errors[:3])}" if result.errors else ""))
+
+
+def _has_pyroute2() -> bool:
+    try:
+        import pyroute2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def udp_targets(state: ProxyState, key: str) -> List[ServiceTarget]:
+    out = []
+    eps = state.endpoints_for(key)
+    for sp in state.ports_of(key):
+        if sp.protocol not in ("UDP", "SCTP"):
+            continue
+        cat = categorize(eps.get(sp.name, []), sp)
+        ips = {sp.cluster_ip, *sp.external_ips, *sp.load_balancer_ips}
+        out.append(ServiceTarget(sp.protocol.lower(), ips, sp.port, sp.node_port,
+                                 {(ep.ip, ep.port) for ep in cat.reachable}))
+    return out
 
 
 def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKernel, log: LogFn,
@@ -70,6 +193,7 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     proxier = IptablesProxier(state, iptables_config(cfg, state, args.netns), kernel)
     hooks = NodeHooks(cfg, state, proxier, args.netns, log)
     daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks)
+    hooks.pending = daemon.has_pending
     if args.manifests:
         source: Any = ManifestsWatcher(args.manifests, daemon.on_relist, log)
         what = f"manifests directory {args.manifests}"
@@ -84,6 +208,9 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_args: stop.set())
     log(f"kubenode-proxy: iptables mode, node {hostname}, source {what}")
+    hooks.start()
+    log(f"healthz on {hooks.health.address if cfg.healthz_bind_address else '(off)'}, "
+        f"metrics on {hooks.metrics_server.address if cfg.metrics_bind_address else '(off)'}")
     # Sources first: the first sync should see the whole cluster, not an empty one
     # (upstream waits for its informers to sync before the first sync too).
     source.start()
@@ -96,5 +223,6 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     finally:
         source.stop()
         daemon.stop()
+        hooks.stop()
         log("stopped; rules left in place (kubenode-proxy --cleanup removes them)")
     return 0

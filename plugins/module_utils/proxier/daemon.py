@@ -76,6 +76,9 @@ class Daemon:
         self.hooks.queued(kind, len(objects))
         self.runner.request()
 
+    def has_pending(self) -> bool:
+        return bool(self._queue)
+
     # --- the sync thread ------------------------------------------------------------
 
     def start(self) -> None:
@@ -179,7 +182,7 @@ class Daemon:
             except ValidationError as e:
                 self.log(f"rejected {e}")
                 return False
-            self.hooks.node_deleting(bool((obj.get("metadata") or {}).get("deletionTimestamp")))
+            self.hooks.node_seen(obj)
         changed = node != self.state.node
         self.state.node = node
         return changed and self.hooks.node_changed(node)
@@ -211,8 +214,8 @@ class Hooks:
     def sync_failed(self, error: BaseException) -> None:
         pass
 
-    def node_deleting(self, deleting: bool) -> None:
-        pass
+    def node_seen(self, obj: Dict[str, Any]) -> None:
+        """This node's object as the API has it (deletion, taints)."""
 
     def node_changed(self, node: Any) -> bool:
         """Return True when the change needs a full sync (e.g. new pod CIDRs)."""

@@ -32,6 +32,7 @@ class SyncResult:
     total_seconds: float = 0.0
     no_endpoint_ports: int = 0
     changed: Set[str] = field(default_factory=set)  # services ("ns/name") this sync covered
+    partial_failed: bool = False
 
     def summary(self) -> str:
         kind = "full" if self.full else "partial"
@@ -47,6 +48,8 @@ class IptablesProxier:
         self.kernel = kernel
         self.compiled: Dict[str, ipt.ServiceRules] = {}  # what the kernel has, per service
         self.need_full = True
+        self.last_attempt_full = True
+        self._table_rules: Dict[str, int] = {}  # per-service rules by table, kept incrementally
 
     def _config(self) -> ipt.IptablesConfig:
         large = self.state.endpoint_count() > ipt.LARGE_CLUSTER_ENDPOINTS
@@ -66,6 +69,7 @@ class IptablesProxier:
         changed = self.state.take_changes()
         cfg = self._config()
         full = force_full or self.need_full
+        self.last_attempt_full = full
         try:
             if full:
                 result = self._full_sync(cfg, start)
@@ -90,6 +94,9 @@ class IptablesProxier:
         p = plan(snap.rules, desired, merge=False, existing=snap.chains)
         apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
         self.compiled = compiled
+        self._table_rules = {}
+        for rules in compiled.values():
+            _count(self._table_rules, rules, 1)
         return self._result(True, p, compile_s, apply_s, start)
 
     def _partial_sync(self, changed: set, start: float) -> SyncResult:
@@ -109,10 +116,12 @@ class IptablesProxier:
         p = plan(before, after, merge=True, existing=set(ipt.infrastructure(self.cfg)))
         apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
         for key, new in new_compiled.items():
-            if new is None:
-                self.compiled.pop(key, None)
-            else:
+            old = self.compiled.pop(key, None)
+            if old is not None:
+                _count(self._table_rules, old, -1)
+            if new is not None:
                 self.compiled[key] = new
+                _count(self._table_rules, new, 1)
         return self._result(False, p, compile_s, apply_s, start)
 
     def _result(self, full: bool, p: Plan, compile_s: float, apply_s: float, start: float) -> SyncResult:
@@ -125,6 +134,15 @@ class IptablesProxier:
             no_endpoint_ports=sum(r.no_endpoint_ports for r in self.compiled.values()),
         )
 
+    def rule_counts(self) -> Dict[str, int]:
+        """Rules we own per table (service rules plus the node-wide ones)."""
+        counts = dict(self._table_rules)
+        infra = ipt.infrastructure(self.cfg)
+        for (table, chain), rules in infra.items():
+            if chain not in ipt.BUILTIN_CHAINS:
+                counts[table] = counts.get(table, 0) + len(rules)
+        return counts
+
     def cleanup(self) -> int:
         """Remove every chain and jump we create. Returns how many chains went."""
         snap = self.kernel.snapshot()
@@ -134,6 +152,12 @@ class IptablesProxier:
         self.compiled = {}
         self.need_full = True
         return text.count("\n-X ")
+
+
+def _count(counts: Dict[str, int], rules: ipt.ServiceRules, sign: int) -> None:
+    for part in (rules.chains, rules.shared):
+        for (table, _chain), lines in part.items():
+            counts[table] = counts.get(table, 0) + sign * len(lines)
 
 
 def _merge_into(target: Dict, rules: ipt.ServiceRules) -> None:
