@@ -68,10 +68,11 @@ class NodeHooks(Hooks):
         self.health_checks = HealthCheckServers(bind or "0.0.0.0", self.health, log=log)
         self.hc_ports: Dict[Tuple[str, str], int] = {}
         self.hc_local: Dict[Tuple[str, str], int] = {}
-        self.conntrack = ConntrackCleaner(netns, clear_without_endpoints=True) if _has_pyroute2() else None
+        # Upstream's rule: a flow to a service IP:port (or NodePort) whose reply comes from
+        # no current serving endpoint is stale; flows of services without endpoints stay.
+        self.conntrack = ConntrackCleaner(netns) if _has_pyroute2() else None
         if self.conntrack is None:
             log("pyroute2 is not installed: stale UDP conntrack entries will not be removed")
-        self.udp_targets: Dict[str, List[ServiceTarget]] = {}
         self.pending: Callable[[], bool] = lambda: False  # set by run(): is the daemon's intake non-empty?
 
     def start(self) -> None:
@@ -150,14 +151,7 @@ class NodeHooks(Hooks):
             return
         targets: List[ServiceTarget] = []
         for key in keys:
-            new = udp_targets(self.state, key)
-            old = self.udp_targets.pop(key, [])
-            if new:
-                self.udp_targets[key] = new
-            # A deleted port keeps its addresses with no endpoints: all its flows go.
-            kept = {(t.proto, t.port) for t in new}
-            targets += new + [ServiceTarget(t.proto, t.ips, t.port, t.node_port, set())
-                              for t in old if (t.proto, t.port) not in kept]
+            targets += udp_targets(self.state, key)
         if not targets:
             return
         result = self.conntrack.cleanup(targets)

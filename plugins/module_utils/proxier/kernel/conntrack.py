@@ -156,6 +156,8 @@ class ServiceTarget:
 
 @dataclass
 class CleanupResult:
+    """What one cleanup (or delete) did; ``errors`` are human-readable, one per failure."""
+
     deleted: int = 0
     seconds: float = 0.0
     errors: List[str] = field(default_factory=list)
@@ -217,7 +219,7 @@ def _index(services: Iterable[ServiceTarget], protocols: Sequence[str],
         endpoints = {(canonical_ip(ip), int(port)) for ip, port in svc.endpoints}
         if not endpoints and not clear_without_endpoints:
             continue  # upstream: a service without endpoints keeps its flows
-        for ip in svc.ips:
+        for ip in [svc.ips] if isinstance(svc.ips, str) else svc.ips:
             index.frontends.setdefault((proto, canonical_ip(ip), int(svc.port)), set()).update(endpoints)
         if svc.node_port:
             index.node_ports.setdefault((proto, int(svc.node_port)), set()).update(endpoints)
