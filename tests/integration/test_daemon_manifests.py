@@ -132,3 +132,18 @@ def test_healthz_and_metrics_follow_sync_failures(lab, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
+
+
+def test_stale_udp_flow_is_removed_when_its_endpoint_goes(daemon):
+    from test_conntrack_cleanup import send  # one datagram from a fixed source port
+
+    lab = daemon
+    dns = [{"name": "dns", "port": 53, "protocol": "UDP"}]
+    dns_ep = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
+    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [PODS["be1"]], dns_ep)])
+    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41001, timeout=0.5) == "be1")
+    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be1"  # the long-lived flow
+    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [PODS["be2"]], dns_ep)])
+    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2")
+    # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
+    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be2"
