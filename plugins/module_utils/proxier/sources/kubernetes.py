@@ -65,6 +65,7 @@ class _Resource:
         self.list_fn = list_fn
         self.selector = selector
         self.stats = WatchStats()
+        self.rv: Optional[str] = None  # last resourceVersion seen; survives a dropped stream
 
 
 class KubernetesSource:
@@ -127,27 +128,22 @@ class KubernetesSource:
     # --- one resource -----------------------------------------------------------------
 
     def _run(self, res: _Resource) -> None:
-        rv: Optional[str] = None
         failures = 0
         while not self._stop.is_set():
             try:
-                if rv is None:
-                    rv = self._list(res)
-                rv = self._watch(res, rv)
+                if res.rv is None:
+                    res.rv = self._list(res)
+                self._watch(res)
                 failures = 0  # a watch that ended normally (server timeout): resume at once
             except _Gone:
-                res.stats.gone += 1
-                self.log(f"{res.kind} watch: resourceVersion {rv} is too old (410 Gone), relisting")
-                rv = None
+                self._gone(res)
             except Exception as e:  # connection dropped, API error, bad response
                 if self._stop.is_set():
                     break
                 from kubernetes.client.exceptions import ApiException
 
                 if isinstance(e, ApiException) and e.status == 410:
-                    res.stats.gone += 1
-                    self.log(f"{res.kind} watch: 410 Gone, relisting")
-                    rv = None
+                    self._gone(res)
                     continue
                 failures += 1
                 res.stats.errors += 1
@@ -156,6 +152,11 @@ class KubernetesSource:
                 delay *= random.uniform(0.8, 1.2)
                 self.log(f"{res.kind} watch failed ({res.stats.last_error}); retrying in {delay:.1f}s")
                 self._stop.wait(delay)
+
+    def _gone(self, res: _Resource) -> None:
+        res.stats.gone += 1
+        self.log(f"{res.kind} watch: resourceVersion {res.rv} is too old (410 Gone), relisting")
+        res.rv = None
 
     def _list(self, res: _Resource) -> str:
         resp = res.list_fn(_preload_content=False, **res.selector)
@@ -172,15 +173,13 @@ class KubernetesSource:
         res.stats.synced.set()
         return str((data.get("metadata") or {}).get("resourceVersion") or "")
 
-    def _watch(self, res: _Resource, rv: str) -> str:
-        from kubernetes import watch
-
-        w = watch.Watch()
+    def _watch(self, res: _Resource) -> None:
+        w = _raw_watch()
         self._watches[res.kind] = w
         res.stats.watches += 1
         try:
-            for event in w.stream(res.list_fn, resource_version=rv, allow_watch_bookmarks=True,
-                                  timeout_seconds=self.watch_timeout, deserialize=False, **res.selector):
+            for event in w.stream(res.list_fn, resource_version=res.rv, allow_watch_bookmarks=True,
+                                  timeout_seconds=int(self.watch_timeout), **res.selector):
                 if self._stop.is_set():
                     break
                 etype = event.get("type")
@@ -197,11 +196,27 @@ class KubernetesSource:
                         raise _Gone()
                     raise RuntimeError(f"watch error: {obj.get('reason')}: {obj.get('message')}")
                 if new_rv:
-                    rv = new_rv
+                    res.rv = new_rv
         finally:
             self._watches.pop(res.kind, None)
-        return rv
 
 
 class _Gone(Exception):
     pass
+
+
+def _raw_watch():
+    """A Watch whose events carry plain dicts.
+
+    With ``deserialize=False`` the client mishandles ERROR events (it looks for a
+    ``raw_object`` key it never set, so a 410 surfaces as KeyError, not ApiException),
+    and typed models reject a whole stream for one malformed object. Without a return
+    type the client keeps its own ERROR/410 handling and hands objects over as dicts.
+    """
+    from kubernetes import watch
+
+    class RawWatch(watch.Watch):
+        def get_return_type(self, func):
+            return None
+
+    return RawWatch()
