@@ -194,7 +194,10 @@ class Daemon:
         self.last_result = result
         self.hooks.synced(result, [now - t for t in seen])
         if result.full or result.changes:
-            self.log(result.summary() + (f"; {len(self.rejected)} objects rejected" if self.rejected else ""))
+            names = sorted(result.changed)
+            what = f"; services changed: {', '.join(names[:5])}" + (f" (+{len(names) - 5} more)" if len(names) > 5
+                                                                    else "") if names else ""
+            self.log(result.summary() + what + (f"; {len(self.rejected)} objects rejected" if self.rejected else ""))
 
     def _sync_failed(self, error: BaseException) -> None:
         self.sync_failures += 1
