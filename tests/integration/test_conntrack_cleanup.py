@@ -68,12 +68,16 @@ for sport in range(first, first + count):
     s.setblocking(False)
     s.sendto(b"ping", (dst, port))
     socks.append(s)
-seen, waiting, deadline = {}, set(socks), time.monotonic() + 5
+seen, waiting, deadline = {}, set(socks), time.monotonic() + 10
 while waiting and time.monotonic() < deadline:
-    for s in select.select(list(waiting), [], [], 0.5)[0]:
+    ready = select.select(list(waiting), [], [], 0.5)[0]
+    for s in ready:
         name = s.recv(4096).decode().split()[0]
         seen[name] = seen.get(name, 0) + 1
         waiting.discard(s)
+    if not ready:  # a datagram (or its answer) was dropped under load: resend, same flow
+        for s in waiting:
+            s.sendto(b"ping", (dst, port))
 print(json.dumps(seen))
 """
 
