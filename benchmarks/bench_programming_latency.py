@@ -115,7 +115,10 @@ def run(n: int, changes: int, tmp: Path) -> str:
                 hooks.cond.wait_for(lambda b=before: len(hooks.values) > b, timeout=60)
             time.sleep(0.06)  # > minSyncPeriod: one change per sync
         vals = sorted(hooks.values)
-        p = lambda q: vals[min(len(vals) - 1, int(q * len(vals)))] * 1000  # noqa: E731
+
+        def p(q: float) -> float:
+            return vals[min(len(vals) - 1, int(q * len(vals)))] * 1000
+
         return (f"N={n}: initial list+full sync {initial:.1f} s; programming latency over {len(vals)} changes: "
                 f"p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms, max {vals[-1] * 1000:.1f} ms, "
                 f"mean {statistics.mean(vals) * 1000:.1f} ms")

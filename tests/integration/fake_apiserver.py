@@ -1142,7 +1142,7 @@ def _shutdown_socket(sock: Any) -> None:
 def _client_gone(sock: socket.socket) -> bool:
     """True if the peer closed its end (EOF is readable) or the socket is broken."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        readable, _unused, _unused = select.select([sock], [], [], 0)
         if not readable:
             return False
         return sock.recv(1, socket.MSG_PEEK) == b""

@@ -84,7 +84,7 @@ def test_sigterm_leaves_rules_in_place(daemon):
 def http(lab, url):
     """(status, body) of a GET made inside the node namespace."""
     out = lab.exec("node", ["curl", "-s", "-m", "3", "-w", "\n%{http_code}", url], check=False).stdout
-    body, _, code = out.rpartition("\n")
+    body, _unused, code = out.rpartition("\n")
     return int(code or 0), body
 
 

@@ -497,7 +497,7 @@ def test_timeout_seconds_ends_the_stream(server: FakeApiServer, core: client.Cor
 def test_fail_next(server: FakeApiServer, core: client.CoreV1Api) -> None:
     server.create(node("node1"))
     server.fail_next(2, status=500)
-    for _ in range(2):
+    for _unused in range(2):
         with pytest.raises(ApiException) as exc_info:
             core.list_node()
         assert exc_info.value.status == 500

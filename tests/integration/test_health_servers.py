@@ -126,14 +126,14 @@ def test_healthz_follows_queued_and_updated(health, clock):
 
     health.queued_update()
     clock.advance(61)  # > 2 * syncPeriod without a sync
-    status, _, raw = get(health.address, "/healthz")
+    status, _unused, raw = get(health.address, "/healthz")
     assert status == 503
     doc = json.loads(raw)
     assert doc["healthy"] is False and doc["lastUpdated"] == "2023-11-14T22:13:20Z"
     assert doc["currentTime"] == "2023-11-14T22:14:21Z"
 
     health.updated()
-    status, _, raw = get(health.address, "/healthz")
+    status, _unused, raw = get(health.address, "/healthz")
     assert status == 200 and json.loads(raw)["healthy"] is True
 
 
@@ -196,7 +196,7 @@ def test_service_health_check(checks, health, clock):
 
     health.queued_update()
     clock.advance(60)  # the proxy is late: every service check says 503
-    status, _, raw = get(address)
+    status, _unused, raw = get(address)
     assert status == 503 and json.loads(raw)["serviceProxyHealthy"] is False
     health.updated()
     assert get(address)[0] == 200
@@ -234,7 +234,7 @@ def test_sync_services_matches_exactly_and_reports_busy_ports(checks, health, lo
     assert checks.sync_services({SVC: 0, OTHER: busy_port}) == {}
     assert checks.addresses(OTHER) == [f"127.0.0.1:{busy_port}"]
     checks.sync_endpoints({OTHER: 1})
-    status, _, raw = get(f"127.0.0.1:{busy_port}")
+    status, _unused, raw = get(f"127.0.0.1:{busy_port}")
     assert status == 200 and json.loads(raw)["service"] == {"namespace": "prod", "name": "api"}
 
     # A port change closes the old listener and opens the new one.

@@ -203,7 +203,7 @@ def test_delete_message_carries_tuple_zone_and_id():
     f = Flow(proto="UDP", orig_src=CLIENT, orig_dst=SVC_IP, orig_dport=53, reply_src=BE1[0],
              reply_sport=BE1[1], orig_sport=40000, zone=7, ct_id=0xDEADBEEF)
     msg = delete_message(f, seq=42)
-    length, kind, flags, seq, _ = struct.unpack_from("=IHHII", msg)
+    length, kind, flags, seq, _unused = struct.unpack_from("=IHHII", msg)
     assert (length, kind, flags, seq) == (len(msg), 0x102, 0x5, 42)
     assert msg[16] == 2  # nfgen_family AF_INET
     assert bytes([10, 244, 2, 10]) in msg and bytes([10, 96, 0, 53]) in msg

@@ -66,14 +66,14 @@ def test_overdue_queued_update_makes_it_unhealthy_until_updated(hs, clock):
     assert hs.is_healthy()  # queued, not late yet
     clock.advance(0.001)
     assert not hs.is_healthy()  # waited health_timeout (>=): late
-    status, _, doc, _ = body(hs, "/healthz")
+    status, _unused, doc, _unused = body(hs, "/healthz")
     assert status == 503
     assert doc == {"lastUpdated": rfc3339(T0), "currentTime": rfc3339(T0 + 65), "nodeEligible": True,
                    "healthy": False, "status": {"IPv4": {"lastUpdated": rfc3339(T0), "healthy": False}}}
     assert body(hs, "/livez")[0] == 503
     hs.updated()
     assert hs.is_healthy()
-    status, _, doc, _ = body(hs, "/healthz")
+    status, _unused, doc, _unused = body(hs, "/healthz")
     assert status == 200
     assert doc["status"] == {"IPv4": {"lastUpdated": rfc3339(T0 + 65), "healthy": True}}
 
@@ -89,7 +89,7 @@ def test_queued_update_keeps_the_oldest(hs, clock):
 
 def test_regular_syncs_without_changes_stay_healthy(hs, clock):
     hs.updated()
-    for _ in range(10):
+    for _unused in range(10):
         clock.advance(30)
         hs.updated()
     clock.advance(1000)  # nothing queued: no sync is overdue
@@ -114,18 +114,18 @@ def test_dual_stack_one_late_family(hs, clock):
     assert h.last_updated == T0 + 61  # newest of the families
     assert {f: (s.healthy, s.last_updated) for f, s in h.status.items()} == {
         "IPv4": (True, T0 + 61), "IPv6": (False, T0)}
-    status, _, doc, _ = body(hs, "/livez")
+    status, _unused, doc, _unused = body(hs, "/livez")
     assert status == 503 and list(doc["status"]) == ["IPv4", "IPv6"]
 
 
 def test_node_being_deleted_fails_healthz_not_livez(hs, clock):
     hs.updated()
     hs.node_deleting(True)
-    status, _, doc, _ = body(hs, "/healthz")
+    status, _unused, doc, _unused = body(hs, "/healthz")
     assert status == 503
     assert doc["nodeEligible"] is False and doc["healthy"] is True
     assert doc["lastUpdated"] == rfc3339(T0)  # not replaced by "now" on a 503
-    status, _, doc, _ = body(hs, "/livez")
+    status, _unused, doc, _unused = body(hs, "/livez")
     assert status == 200 and "nodeEligible" not in doc
     assert hs.is_healthy()  # what the service health checks read: the node is not part of it
     hs.node_deleting(False)
@@ -136,8 +136,8 @@ def test_node_being_deleted_fails_healthz_not_livez(hs, clock):
     (None, True),
     ({"metadata": {"name": "n1"}, "spec": {}}, True),
     ({"metadata": {"name": "n1", "deletionTimestamp": "2024-01-01T00:00:00Z"}}, False),
-    ({"metadata": {"name": "n1"}, "spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler",
-                                                         "effect": "NoSchedule"}]}}, False),
+    ({"metadata": {"name": "n1"},
+      "spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}}, False),
     ({"metadata": {"name": "n1"}, "spec": {"taints": [{"key": "other", "effect": "NoSchedule"}]}}, True),
 ])
 def test_sync_node(hs, node, eligible):

@@ -58,7 +58,7 @@ def parse(text):
         suffixes = ("_bucket", "_sum", "_count") if current["type"] == "histogram" else ("",)
         assert any(name == fam + s for s in suffixes), f"{name} outside its family {fam}"
         pairs = [(k, unescape(v)) for k, v in LABEL_RE.findall(labels)]
-        assert len({k for k, _ in pairs}) == len(pairs)
+        assert len({k for k, _unused in pairs}) == len(pairs)
         current["samples"].append((name, dict(pairs), float(value)))
     assert order == sorted(order), "families must be sorted by name"
     return families
@@ -85,8 +85,8 @@ def test_bucket_helpers_match_component_base():
     assert merge_buckets([1, 2], [3]) == [0, 1, 2, 3]  # MergeBuckets starts from make([]float64, 1)
     b = NETWORK_PROGRAMMING_BUCKETS
     assert len(b) == 1 + 2 + 59 + 12 + 7
-    assert b[:5] == [0, 0.25, 0.5, 1, 2] and b[61:64] == [59, 60, 65] and b[-8:] == [115, 120, 150, 180, 210,
-                                                                                   240, 270, 300]
+    assert b[:5] == [0, 0.25, 0.5, 1, 2] and b[61:64] == [59, 60, 65]
+    assert b[-8:] == [115, 120, 150, 180, 210, 240, 270, 300]
 
 
 # --- the registry -----------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_histogram_buckets_are_cumulative():
     samples = fams["demo_seconds"]["samples"]
     buckets = [(s[1]["le"], s[2]) for s in samples if s[0] == "demo_seconds_bucket"]
     assert buckets == [("0.1", 2), ("0.5", 3), ("1", 4), ("+Inf", 6)]  # v <= le, cumulative
-    counts = [c for _, c in buckets]
+    counts = [c for _unused, c in buckets]
     assert counts == sorted(counts)
     assert samples[-2] == ("demo_seconds_sum", {}, pytest.approx(8.15))
     assert samples[-1] == ("demo_seconds_count", {}, 6)
@@ -203,7 +203,7 @@ def test_thread_safe_updates():
 
     renderer = threading.Thread(target=render_loop)
     renderer.start()
-    workers = [threading.Thread(target=work) for _ in range(8)]
+    workers = [threading.Thread(target=work) for _unused in range(8)]
     for t in workers:
         t.start()
     for t in workers:

@@ -41,14 +41,14 @@ def test_first_sync_is_full_and_bursts_are_rate_limited(running):
     time.sleep(0.1)
     assert rec.calls[0][1] is True
     start = time.monotonic()
-    for _ in range(50):
+    for _unused in range(50):
         runner.request()
         time.sleep(0.01)
     time.sleep(0.5)
     elapsed = time.monotonic() - start
     # 50 requests, but syncs at most once per 0.3 s, all partial.
     later = rec.calls[1:]
-    assert 1 <= len(later) <= elapsed / 0.3 + 1 and not any(full for _, full in later)
+    assert 1 <= len(later) <= elapsed / 0.3 + 1 and not any(full for _unused, full in later)
     gaps = [b[0] - a[0] for a, b in zip(rec.calls, rec.calls[1:])]
     assert all(g >= 0.29 for g in gaps), gaps
 
@@ -57,7 +57,7 @@ def test_periodic_full_sync_without_requests(running):
     rec = Recorder()
     running(BoundedFrequencyRunner(rec, min_period=0.05, sync_period=0.3))
     time.sleep(1.0)
-    assert len(rec.calls) >= 3 and all(full for _, full in rec.calls)
+    assert len(rec.calls) >= 3 and all(full for _unused, full in rec.calls)
 
 
 def test_failure_is_retried_as_full_sync_before_the_sync_period(running):
@@ -68,7 +68,7 @@ def test_failure_is_retried_as_full_sync_before_the_sync_period(running):
     runner.request()
     time.sleep(2.0)
     assert len(errors) == 2 and len(rec.calls) == 3, rec.calls
-    assert all(full for _, full in rec.calls)  # each retry is a full sync
+    assert all(full for _unused, full in rec.calls)  # each retry is a full sync
     gaps = [b[0] - a[0] for a, b in zip(rec.calls, rec.calls[1:])]
     assert 0.45 <= gaps[0] < 0.8 and 0.95 <= gaps[1] < 1.4, gaps  # backoff 0.5 s, then 1 s
 

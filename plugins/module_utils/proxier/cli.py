@@ -162,5 +162,3 @@ def _report(result, verbose: bool) -> None:
     if verbose:
         for change in result.changes:
             _out(f"  {change}")
-
-

@@ -215,12 +215,13 @@ class HTTPServerThread:
 
     def _serve(self) -> None:
         server, wake = self._server, self._wake
-        assert server is not None and wake is not None
+        if server is None or wake is None:
+            raise RuntimeError("HTTP server thread started before its socket was bound")
         with selectors.DefaultSelector() as sel:
             sel.register(server.socket, selectors.EVENT_READ, "accept")
             sel.register(wake[0], selectors.EVENT_READ, "wake")
             while not self._stopping.is_set():
-                for key, _ in sel.select():
+                for key, _unused in sel.select():
                     if key.data == "wake" or self._stopping.is_set():
                         return
                     server._handle_request_noblock()  # accept (non-blocking) and hand to a thread

@@ -80,7 +80,7 @@ def exponential_buckets(start: float, factor: float, count: int) -> List[float]:
     if count < 1 or start <= 0 or factor <= 1:
         raise ValueError("exponential_buckets needs count >= 1, start > 0, factor > 1")
     out = []
-    for _ in range(count):
+    for _unused in range(count):
         out.append(start)
         start *= factor
     return out
@@ -90,7 +90,7 @@ def linear_buckets(start: float, width: float, count: int) -> List[float]:
     if count < 1:
         raise ValueError("linear_buckets needs count >= 1")
     out = []
-    for _ in range(count):
+    for _unused in range(count):
         out.append(start)
         start += width
     return out

@@ -202,9 +202,9 @@ class _Index:
         return bool(self.frontends or self.node_ports)
 
     def families(self) -> Set[int]:
-        found = {ip_family(ip) for _, ip, _ in self.frontends}
+        found = {ip_family(ip) for _unused, ip, _unused in self.frontends}
         for endpoints in self.node_ports.values():
-            found |= {ip_family(ip) for ip, _ in endpoints}
+            found |= {ip_family(ip) for ip, _unused in endpoints}
         return found or set(FAMILIES)
 
 
@@ -296,7 +296,7 @@ def flow_from_message(msg: Any) -> Optional[Flow]:
     if orig is None or reply is None:
         return None
     o_src, o_dst, number, o_sport, o_dport = _tuple_fields(orig, family)
-    r_src, r_dst, _, r_sport, r_dport = _tuple_fields(reply, family)
+    r_src, r_dst, _unused, r_sport, r_dport = _tuple_fields(reply, family)
     if family == 6:
         o_src, o_dst, r_src, r_dst = (canonical_ip(ip) for ip in (o_src, o_dst, r_src, r_dst))
     return Flow(proto=proto_name(number), orig_src=o_src, orig_dst=o_dst, orig_dport=o_dport,
@@ -306,7 +306,7 @@ def flow_from_message(msg: Any) -> Optional[Flow]:
 
 def _dump_messages(ct: Any, family: int, proto: str, daddr: Optional[str], dport: Optional[int]) -> List[Any]:
     """Dump with the kernel-side filter, or everything if the kernel cannot filter."""
-    _, attr_tuple, netlink_error = _pyroute2()
+    _unused, attr_tuple, netlink_error = _pyroute2()
     number = PROTO_NUMBERS.get(proto)
     if number is None:
         return list(ct.dump())
@@ -418,7 +418,7 @@ def _acks(data: bytes) -> Iterable[Tuple[int, int]]:
     """(sequence number, errno) of each ack in one netlink datagram."""
     offset = 0
     while offset + NLMSGHDR.size <= len(data):
-        length, kind, _, seq, _ = NLMSGHDR.unpack_from(data, offset)
+        length, kind, _unused, seq, _unused = NLMSGHDR.unpack_from(data, offset)
         if length < NLMSGHDR.size:
             break
         if kind == NLMSG_ERROR:
