@@ -168,3 +168,30 @@ def test_metrics_move_with_changes(cluster):
     assert value("kubeproxy_sync_proxy_rules_duration_seconds_count") > syncs
     assert value("kubeproxy_network_programming_duration_seconds_count") >= 1
     assert value("kubeproxy_sync_proxy_rules_last_timestamp_seconds") > time.time() - 60
+
+
+def test_health_check_node_port_follows_local_endpoints(cluster):
+    lab, api = cluster, cluster.api
+    serving(lab, "10.96.0.10", {"be1", "be2"})
+    hc = free_port()
+    lb = svc("lbl", "10.96.0.20", [tcp(80, "http", node_port=30020)], type="LoadBalancer",
+             externalTrafficPolicy="Local", healthCheckNodePort=hc,
+             status={"loadBalancer": {"ingress": [{"ip": "198.51.100.20"}]}})
+    api.create(lb)
+    api.create(eps("lbl", [PODS["be1"], PODS["be2"]], HTTP_EP, node="node1"))
+    url = f"http://127.0.0.1:{hc}/"
+    wait_for(lambda: _quiet_get(url)[0] == 200, what="health check 200")
+    status, body = get(url)
+    assert '"localEndpoints": 2' in body and '"name": "lbl"' in body
+    api.update(eps("lbl", [PODS["be1"]], HTTP_EP, node="node2"))  # no local endpoint left
+    wait_for(lambda: _quiet_get(url)[0] == 503, what="health check 503")
+    assert '"localEndpoints": 0' in get(url)[1]
+    api.delete("Service", "default", "lbl")
+    wait_for(lambda: _quiet_get(url)[0] == 0, what="health check port closed")
+
+
+def _quiet_get(url):
+    try:
+        return get(url)
+    except OSError:
+        return 0, ""
