@@ -113,3 +113,66 @@ def test_full_sync_restores_a_deleted_service_chain(proxy):
     result = proxier.sync(force_full=True)
     assert any(chain in c for c in result.changes)
     assert set(answered(lab, "10.96.0.1")) == {"be1", "be2"}
+
+
+FOREIGN = """*nat
+:OTHER-NAT - [0:0]
+-A PREROUTING -p tcp -m tcp --dport 2222 -j DNAT --to-destination 192.0.2.10:22
+-A OTHER-NAT -s 192.0.2.0/24 -j RETURN
+COMMIT
+*filter
+:OTHER-FILTER - [0:0]
+-A INPUT -j OTHER-FILTER
+-A OTHER-FILTER -s 198.51.100.7/32 -j DROP
+COMMIT
+"""
+
+
+def foreign_lines(text):
+    return sorted(line for line in text.splitlines() if "OTHER" in line or "2222" in line)
+
+
+def test_large_table_path_rewrites_without_reading_rules_and_keeps_foreign_rules(proxy):
+    """The path a 10,000-service node takes (thresholds lowered so a few services use it):
+    ``-Z`` bulk restores, full syncs that read chain names only and rewrite our chains."""
+    lab, state, proxier = proxy
+    proxier.kernel.bulk_chains = 1
+    proxier.kernel.diff_max_chains = 0
+    lab.iptables_restore(FOREIGN)
+    before = foreign_lines(save(lab.ns("node"), "nat") + save(lab.ns("node"), "filter"))
+    assert len(before) == 6
+    put(state, svc("a", "10.96.0.1", HTTP), eps("a", PODS.values(), HTTP_EP),
+        svc("b", "10.96.0.2", HTTP), eps("b", [PODS["be2"]], HTTP_EP))
+    assert proxier.kernel.snapshot_for_full_sync().complete is False
+    first = proxier.sync()
+    assert first.full and first.rules_written >= first.rules
+    assert set(answered(lab, "10.96.0.1")) == {"be1", "be2"}
+    assert set(answered(lab, "10.96.0.2")) == {"be2"}
+
+    # A periodic resync of an intact large table only lists chains: nothing is written.
+    quiet = proxier.sync(force_full=True)
+    assert not quiet.full and quiet.rules_written == 0
+    # A chain deleted behind our back changes the chain listing: the resync rewrites.
+    svc_a = next(line.split()[0][1:] for line in save(lab.ns("node"), "nat").splitlines()
+                 if line.startswith(":KUBE-SEP-"))
+    lab.exec("node", ["iptables", "-t", "nat", "-N", "KUBE-SEP-STRAYSTRAYSTRAY"])
+    repaired = proxier.sync(force_full=True)
+    assert repaired.full and "KUBE-SEP-STRAYSTRAYSTRAY" not in save(lab.ns("node"), "nat")
+    assert f":{svc_a} " in save(lab.ns("node"), "nat")
+
+    # Drift inside a chain is invisible to the listing: the hourly rewrite repairs it.
+    proxier.rewrite_period = 0
+    sep = next(line.split()[1] for line in save(lab.ns("node"), "nat").splitlines() if line.startswith("-A KUBE-SEP-"))
+    lab.exec("node", ["iptables", "-t", "nat", "-F", sep])
+    state.delete_service("default", "b")
+    state.take_changes()  # forget it: only the full sync's chain listing can find b's chains
+    proxier.compiled.pop("default/b", None)
+    again = proxier.sync(force_full=True)
+    assert again.full
+    nat = save(lab.ns("node"), "nat")
+    assert f"-A {sep} " in nat, "the full sync did not repair the flushed chain"
+    # b's chains were stale: found through the chain listing and deleted.
+    assert "10.96.0.2/32" not in nat
+    assert len([line for line in nat.splitlines() if line.startswith(":KUBE-SVC-")]) == 1
+    assert set(answered(lab, "10.96.0.1")) == {"be1", "be2"}
+    assert foreign_lines(save(lab.ns("node"), "nat") + save(lab.ns("node"), "filter")) == before

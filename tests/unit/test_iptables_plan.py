@@ -3,6 +3,7 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.ip
     NODEPORTS_TAIL_COMMENT,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import plan
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import bulk_restore_text
 
 SVC = ("nat", "KUBE-SERVICES")
 TAIL = f'-m comment --comment "{NODEPORTS_TAIL_COMMENT}" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS'
@@ -65,3 +66,29 @@ def test_only_service_chains_are_garbage_collected():
 def test_merge_appends_a_missing_tail_after_inserting_service_rules():
     p = plan({SVC: []}, {SVC: ["-d 10.96.0.1/32 -j KUBE-SVC-A", TAIL]}, merge=True, existing={SVC})
     assert p.lines["nat"] == ["-I KUBE-SERVICES 1 -d 10.96.0.1/32 -j KUBE-SVC-A", f"-A KUBE-SERVICES {TAIL}"]
+
+
+def test_full_plan_deletes_stale_chains_known_only_by_name():
+    """A large table's full sync reads chain names, not rules: stale chains still go."""
+    desired = {("nat", "KUBE-SVC-AAAAAAAAAAAAAAAA"): ["-j KUBE-SEP-AAAAAAAAAAAAAAAA"],
+               ("nat", "KUBE-SEP-AAAAAAAAAAAAAAAA"): ["-j DNAT --to-destination 10.0.0.1:80"]}
+    existing = {("nat", "KUBE-SVC-AAAAAAAAAAAAAAAA"), ("nat", "KUBE-SEP-BBBBBBBBBBBBBBBB"), ("nat", "OTHER")}
+    p = plan({}, desired, merge=False, existing=existing)
+    lines = p.lines["nat"]
+    assert "-X KUBE-SEP-BBBBBBBBBBBBBBBB" in lines and ":KUBE-SEP-BBBBBBBBBBBBBBBB - [0:0]" in lines
+    assert not any("OTHER" in line for line in lines)
+    assert "-A KUBE-SVC-AAAAAAAAAAAAAAAA -j KUBE-SEP-AAAAAAAAAAAAAAAA" in lines  # rules unknown: rewritten
+    assert "- nat chain KUBE-SEP-BBBBBBBBBBBBBBBB (rules not read)" in p.changes
+
+
+def test_merge_plan_never_deletes_chains_outside_its_scope():
+    existing = {("nat", "KUBE-SEP-BBBBBBBBBBBBBBBB")}
+    p = plan({}, {("nat", "KUBE-SVC-AAAAAAAAAAAAAAAA"): []}, merge=True, existing=existing)
+    assert "-X KUBE-SEP-BBBBBBBBBBBBBBBB" not in p.lines["nat"]
+
+
+def test_bulk_restore_text_marks_only_large_sections():
+    text = "*filter\n:KUBE-A - [0:0]\nCOMMIT\n*nat\n:KUBE-B - [0:0]\n:KUBE-C - [0:0]\n-A KUBE-B -j KUBE-C\nCOMMIT\n"
+    out = bulk_restore_text(text, threshold=2)
+    assert out == text.replace("*nat\n", "*nat\n-Z\n")
+    assert bulk_restore_text(text, threshold=3) == text

@@ -82,3 +82,26 @@ def test_stop_returns_promptly(running):
     runner.stop()
     t.join(3)
     assert not t.is_alive() and time.monotonic() - start < 1.5
+
+
+def test_state_endpoint_count_follows_slice_changes():
+    """endpoint_count() is kept incrementally (it decides upstream's large-cluster mode)."""
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
+
+    def sl(name, ips, ports=1):
+        return parse_endpoint_slice({
+            "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": name, "namespace": "ns", "labels": {"kubernetes.io/service-name": "web"}},
+            "ports": [{"name": f"p{i}", "port": 8080 + i, "protocol": "TCP"} for i in range(ports)],
+            "endpoints": [{"addresses": [ip]} for ip in ips]})
+
+    state = ProxyState("node1")
+    state.set_slice(sl("a", ["10.0.0.1", "10.0.0.2"], ports=2))
+    state.set_slice(sl("b", ["10.0.0.3"]))
+    assert state.endpoint_count() == 5
+    state.set_slice(sl("a", ["10.0.0.1"], ports=2))
+    assert state.endpoint_count() == 3
+    state.delete_slice("ns", "b")
+    state.delete_slice("ns", "b")
+    assert state.endpoint_count() == 2 == sum(len(s.endpoints) * max(1, len(s.ports)) for s in state.slices.values())

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 from .backends import iptables as ipt
-from .backends.iptables_plan import Plan, plan
+from .backends.iptables_plan import TABLES, Plan, plan
 from .kernel.iptables import IptablesKernel, cleanup_text
 from .state import ProxyState
 
@@ -50,6 +50,9 @@ class IptablesProxier:
         self.need_full = True
         self.last_attempt_full = True
         self._table_rules: Dict[str, int] = {}  # per-service rules by table, kept incrementally
+        self._compiled_cfg: Optional[ipt.IptablesConfig] = None  # the config ``compiled`` was built with
+        self.rewrite_period = 3600.0  # large tables: longest time between two full rewrites
+        self._last_rewrite = float("-inf")
 
     def _config(self) -> ipt.IptablesConfig:
         large = self.state.endpoint_count() > ipt.LARGE_CLUSTER_ENDPOINTS
@@ -71,8 +74,12 @@ class IptablesProxier:
         full = force_full or self.need_full
         self.last_attempt_full = full
         try:
-            if full:
-                result = self._full_sync(cfg, start)
+            if full and not self.need_full and self._large_table_intact(cfg):
+                # Large table, periodic resync, nothing known to be wrong: the chain listing
+                # agrees with what we applied, so a partial sync is all that is needed.
+                result = self._partial_sync(changed, start)
+            elif full:
+                result = self._full_sync(cfg, start, changed)
             else:
                 result = self._partial_sync(changed, start)
         except Exception:
@@ -84,16 +91,45 @@ class IptablesProxier:
         result.changed = changed
         return result
 
-    def _full_sync(self, cfg: ipt.IptablesConfig, start: float) -> SyncResult:
+    def _large_table_intact(self, cfg: ipt.IptablesConfig) -> bool:
+        """For tables too large to read rule by rule (see kernel/iptables.py): True when a
+        rewrite was done less than ``rewrite_period`` ago and the kernel's chain names and
+        built-in jumps are exactly what we applied since. Upstream likewise rewrites
+        everything only hourly; content edits inside our chains wait for that rewrite."""
+        if (not self.compiled or cfg != self._compiled_cfg
+                or time.monotonic() - self._last_rewrite >= self.rewrite_period):
+            return False
+        chains = self.kernel.list_chains()
+        if chains is None or len(chains) <= self.kernel.diff_max_chains:
+            return False
+        applied = assemble(self.compiled, cfg)
+        want = {k for k in applied if k[1] not in ipt.BUILTIN_CHAINS}
+        if {k for k in chains if k[1].startswith(ipt.SERVICE_CHAIN_PREFIXES) or k in want} != want:
+            return False
+        for (table, chain), rules in applied.items():
+            if chain in ipt.BUILTIN_CHAINS and not set(rules) <= set(self.kernel.list_rules(table, chain)):
+                return False
+        return True
+
+    def _full_sync(self, cfg: ipt.IptablesConfig, start: float, changed: Set[str]) -> SyncResult:
         t0 = time.monotonic()
-        compiled = {key: ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg)
-                    for key in self.state.service_keys()}
+        # Compiling is pure: a service that did not change since it was applied, under the
+        # same config, compiles to what we hold already. The kernel side is still checked.
+        reuse = self.compiled if cfg == self._compiled_cfg else {}
+        compiled = {}
+        for key in self.state.service_keys():
+            rules = reuse.get(key) if key not in changed else None
+            if rules is None:
+                rules = ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg)
+            compiled[key] = rules
         desired = assemble(compiled, cfg)
         compile_s = time.monotonic() - t0
-        snap = self.kernel.snapshot()
+        snap = self.kernel.snapshot_for_full_sync()
         p = plan(snap.rules, desired, merge=False, existing=snap.chains)
         apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
+        self._last_rewrite = time.monotonic()
         self.compiled = compiled
+        self._compiled_cfg = cfg
         self._table_rules = {}
         for rules in compiled.values():
             _count(self._table_rules, rules, 1)
@@ -125,18 +161,20 @@ class IptablesProxier:
         return self._result(False, p, compile_s, apply_s, start)
 
     def _result(self, full: bool, p: Plan, compile_s: float, apply_s: float, start: float) -> SyncResult:
-        rules = sum(r.rule_count() for r in self.compiled.values())
+        # Totals are kept by _count as services come and go: summing 10,000 services on every
+        # one-endpoint sync cost more than planning it.
+        t = self._table_rules
         return SyncResult(
             full=full, services=len(self.state.services),
-            endpoints=sum(r.endpoints for r in self.compiled.values()),
-            rules=rules, rules_written=p.rules_written, changes=p.changes,
+            endpoints=t.get(_ENDPOINTS, 0), rules=sum(v for k, v in t.items() if k in TABLES),
+            rules_written=p.rules_written, changes=p.changes,
             compile_seconds=compile_s, apply_seconds=apply_s, total_seconds=time.monotonic() - start,
-            no_endpoint_ports=sum(r.no_endpoint_ports for r in self.compiled.values()),
+            no_endpoint_ports=t.get(_NO_ENDPOINT_PORTS, 0),
         )
 
     def rule_counts(self) -> Dict[str, int]:
         """Rules we own per table (service rules plus the node-wide ones)."""
-        counts = dict(self._table_rules)
+        counts = {k: v for k, v in self._table_rules.items() if k in TABLES}
         infra = ipt.infrastructure(self.cfg)
         for (table, chain), rules in infra.items():
             if chain not in ipt.BUILTIN_CHAINS:
@@ -154,10 +192,17 @@ class IptablesProxier:
         return text.count("\n-X ")
 
 
+_ENDPOINTS = "#endpoints"
+_NO_ENDPOINT_PORTS = "#no-endpoint-ports"
+
+
 def _count(counts: Dict[str, int], rules: ipt.ServiceRules, sign: int) -> None:
+    """Per-table rule counts, plus endpoint totals under keys that are not table names."""
     for part in (rules.chains, rules.shared):
         for (table, _chain), lines in part.items():
             counts[table] = counts.get(table, 0) + sign * len(lines)
+    counts[_ENDPOINTS] = counts.get(_ENDPOINTS, 0) + sign * rules.endpoints
+    counts[_NO_ENDPOINT_PORTS] = counts.get(_NO_ENDPOINT_PORTS, 0) + sign * rules.no_endpoint_ports
 
 
 def _merge_into(target: Dict, rules: ipt.ServiceRules) -> None:

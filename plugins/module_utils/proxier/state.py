@@ -19,6 +19,10 @@ class ProxyState:
         self.services: Dict[str, Service] = {}
         self.slices: Dict[str, EndpointSlice] = {}  # key "ns/slicename"
         self._slices_by_service: Dict[str, Set[str]] = {}
+        # Per slice, its endpoints per (port name, protocol), built once when the slice
+        # arrives (as upstream's change tracker does) rather than at every compile.
+        self._slice_endpoints: Dict[str, Dict[Tuple[str, str], List[Endpoint]]] = {}
+        self._endpoint_total = 0  # endpoint_count(), kept as slices come and go
         self.node: Optional[Node] = None
         self._changed: Set[str] = set()
 
@@ -42,7 +46,11 @@ class ProxyState:
             return
         if old is not None:
             self._unlink(key, old)
+        if old is not None:
+            self._endpoint_total -= _slice_endpoint_count(old)
+        self._endpoint_total += _slice_endpoint_count(sl)
         self.slices[key] = sl
+        self._slice_endpoints[key] = self._endpoints_of(sl)
         svc_key = f"{sl.namespace}/{sl.service}"
         self._slices_by_service.setdefault(svc_key, set()).add(key)
         self._changed.add(svc_key)
@@ -50,7 +58,9 @@ class ProxyState:
     def delete_slice(self, namespace: str, name: str) -> None:
         key = f"{namespace}/{name}"
         old = self.slices.pop(key, None)
+        self._slice_endpoints.pop(key, None)
         if old is not None:
+            self._endpoint_total -= _slice_endpoint_count(old)
             self._unlink(key, old)
 
     def _unlink(self, key: str, old: EndpointSlice) -> None:
@@ -107,17 +117,11 @@ class ProxyState:
         want = "IPv6" if family == 6 else "IPv4"
         by_port: Dict[Tuple[str, str], Dict[str, Endpoint]] = {}
         for slice_key in sorted(self._slices_by_service.get(key, ())):
-            sl = self.slices[slice_key]
-            if sl.address_type != want:
+            if self.slices[slice_key].address_type != want:
                 continue
-            for port in sl.ports:
-                bucket = by_port.setdefault((port.name, port.protocol), {})
-                for ep in sl.endpoints:
-                    e = Endpoint(
-                        ip=ep.addresses[0], port=port.port, node_name=ep.node_name,
-                        ready=ep.ready, serving=ep.serving, terminating=ep.terminating,
-                        is_local=bool(ep.node_name) and ep.node_name == self.hostname,
-                    )
+            for port_key, eps in self._slice_endpoints[slice_key].items():
+                bucket = by_port.setdefault(port_key, {})
+                for e in eps:
                     # A duplicate across slices (during slice churn): keep the first one seen.
                     bucket.setdefault(str(e), e)
         result: Dict[ServicePortName, List[Endpoint]] = {}
@@ -126,9 +130,23 @@ class ProxyState:
             result[sp.name] = [bucket[k] for k in sorted(bucket)]
         return result
 
+    def _endpoints_of(self, sl: EndpointSlice) -> Dict[Tuple[str, str], List[Endpoint]]:
+        out: Dict[Tuple[str, str], List[Endpoint]] = {}
+        for port in sl.ports:
+            out[(port.name, port.protocol)] = [
+                Endpoint(ip=ep.addresses[0], port=port.port, node_name=ep.node_name,
+                         ready=ep.ready, serving=ep.serving, terminating=ep.terminating,
+                         is_local=bool(ep.node_name) and ep.node_name == self.hostname)
+                for ep in sl.endpoints]
+        return out
+
     def ports_of(self, key: str) -> Tuple[ServicePort, ...]:
         svc = self.services.get(key)
         return svc.ports if svc else ()
 
     def endpoint_count(self) -> int:
-        return sum(len(sl.endpoints) * max(1, len(sl.ports)) for sl in self.slices.values())
+        return self._endpoint_total
+
+
+def _slice_endpoint_count(sl: EndpointSlice) -> int:
+    return len(sl.endpoints) * max(1, len(sl.ports))

@@ -13,6 +13,7 @@ No I/O and no clock in this module.
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import ipaddress
@@ -51,15 +52,11 @@ NODEPORTS_TAIL_COMMENT = "kubernetes service nodeports; NOTE: this must be the l
 ChainKey = Tuple[str, str]  # (table, chain)
 
 
-_B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
-
-
 def _hash16(text: str) -> str:
     """Upstream's name hash: base32(sha256(text))[:16]. The first 16 base32 characters
     are exactly the first 10 digest bytes, so only those are encoded (this is the
     compiler's hottest function)."""
-    n = int.from_bytes(hashlib.sha256(text.encode()).digest()[:10], "big")
-    return "".join(_B32[(n >> shift) & 31] for shift in range(75, -1, -5))
+    return base64.b32encode(hashlib.sha256(text.encode()).digest()[:10]).decode("ascii")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -131,6 +128,7 @@ def _comment(text: str) -> str:
     return f'-m comment --comment "{text}"'
 
 
+@functools.lru_cache(maxsize=1024)
 def probability(n: int) -> str:
     """1/n as upstream writes it (10 digits), rounded the way the kernel stores it."""
     p = float("%0.10f" % (1.0 / n))
@@ -375,15 +373,17 @@ def _compile_port(out: ServiceRules, svc: ServicePort, eps: List[Endpoint], cfg:
     if uses_local_chain:
         _endpoint_jumps(chains, local_chain, name, proto, svc, cat.local, cfg)
 
+    # Endpoint chains are most of a large ruleset: their two rules are written directly
+    # (the same text rule() gives; the golden tests hold both to upstream's output).
+    comment = "" if cfg.large_cluster else f" {_comment(name)}"
     for ep in cat.reachable:
-        chain = sep_chain(name, proto, str(ep))
-        comment = "" if cfg.large_cluster else name
+        dest = str(ep)
+        chain = sep_chain(name, proto, dest)
+        affinity = f" -m recent --set --name {chain} --mask {_mask(ep.ip)} --rsource" \
+            if svc.session_affinity_seconds else ""
         chains[(NAT, chain)] = [
-            rule(src=_host(ep.ip), comment=comment, target=KUBE_MARK_MASQ),
-            rule(proto=proto, comment=comment,
-                 matches=(f"-m recent --set --name {chain} --mask {_mask(ep.ip)} --rsource",)
-                 if svc.session_affinity_seconds else (),
-                 target=f"DNAT --to-destination {ep}"),
+            f"-s {_host(ep.ip)}{comment} -j {KUBE_MARK_MASQ}",
+            f"-p {proto}{comment}{affinity} -m {proto} -j DNAT --to-destination {dest}",
         ]
     out.endpoints += len(cat.reachable)
 
@@ -409,11 +409,10 @@ def _endpoint_jumps(chains: Dict[ChainKey, List[str]], chain: str, name: str, pr
                 target=sep))
     n = len(eps)
     for i, ep in enumerate(eps):
-        matches: Tuple[str, ...] = ()
-        if i < n - 1:
-            matches = (f"-m statistic --mode random --probability {probability(n - i)}",)
-        rules.append(rule(comment="" if cfg.large_cluster else f"{name} -> {ep}", matches=matches,
-                          target=sep_chain(name, proto, str(ep))))
+        dest = str(ep)
+        head = "" if cfg.large_cluster else f"{_comment(f'{name} -> {dest}')} "
+        stat = f"-m statistic --mode random --probability {probability(n - i)} " if i < n - 1 else ""
+        rules.append(f"{head}{stat}-j {sep_chain(name, proto, dest)}")
 
 
 # --- node-wide rules ------------------------------------------------------------------

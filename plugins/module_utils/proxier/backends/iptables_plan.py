@@ -138,13 +138,16 @@ def plan(
             p.changes.append(_chain_change(table, chain, have if key in exists else None, want))
 
     if collect_stale:
-        for key in sorted(current):
+        # A full plan owns every service chain that exists (a large table's full sync reads
+        # only chain names); a merge plan only the chains in its scope.
+        for key in sorted(current if merge else exists):
             table, chain = key
             if key in desired or not chain.startswith(SERVICE_CHAIN_PREFIXES):
                 continue
             declare(table, chain)  # flush first: stale chains may jump to each other
             tail_deletes[table].append(f"-X {chain}")
-            p.changes.append(f"- {table} chain {chain} ({len(current[key])} rules)")
+            count = f"{len(current[key])} rules" if key in current else "rules not read"
+            p.changes.append(f"- {table} chain {chain} ({count})")
 
     for table in TABLES:
         p.lines[table] = decl[table] + body[table] + tail_deletes[table]
