@@ -48,6 +48,26 @@ def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) ->
     )
 
 
+def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> Any:
+    """The compiler configuration of the configured mode (IptablesConfig or IpvsConfig)."""
+    ipt = iptables_config(cfg, state, netns)
+    if cfg.mode == "ipvs":
+        from .ipvs_proxier import ipvs_config
+
+        return ipvs_config(cfg, ipt, netns)
+    return ipt
+
+
+def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> Any:
+    """IptablesProxier, or IpvsProxier in IPVS mode (same interface)."""
+    if cfg.mode == "ipvs":
+        from .ipvs_proxier import IpvsProxier
+
+        return IpvsProxier(state, proxier_config(cfg, state, netns), kernel, netns,
+                           refresh=lambda: proxier_config(cfg, state, netns))
+    return IptablesProxier(state, iptables_config(cfg, state, netns), kernel)
+
+
 class NodeHooks(Hooks):
     """Connects the daemon to health, metrics, health check node ports and conntrack."""
 
@@ -101,7 +121,7 @@ class NodeHooks(Hooks):
     def node_changed(self, node: Any) -> bool:
         if self.cfg.detect_local_mode != "NodeCIDR":
             return False
-        self.proxier.cfg = iptables_config(self.cfg, self.state, self.netns)
+        self.proxier.cfg = proxier_config(self.cfg, self.state, self.netns)
         return True
 
     def synced(self, result: SyncResult, latencies: List[float]) -> None:
@@ -184,7 +204,7 @@ def udp_targets(state: ProxyState, key: str) -> List[ServiceTarget]:
 def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKernel, log: LogFn,
         verbose: bool = False, stop: Optional[threading.Event] = None) -> int:
     state = ProxyState(hostname)
-    proxier = IptablesProxier(state, iptables_config(cfg, state, args.netns), kernel)
+    proxier = build_proxier(cfg, state, args.netns, kernel)
     hooks = NodeHooks(cfg, state, proxier, args.netns, log)
     daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks)
     hooks.pending = daemon.has_pending
@@ -201,7 +221,7 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_args: stop.set())
-    log(f"kubenode-proxy: iptables mode, node {hostname}, source {what}")
+    log(f"kubenode-proxy: {cfg.mode} mode, node {hostname}, source {what}")
     hooks.start()
     log(f"healthz on {hooks.health.address if cfg.healthz_bind_address else '(off)'}, "
         f"metrics on {hooks.metrics_server.address if cfg.metrics_bind_address else '(off)'}")

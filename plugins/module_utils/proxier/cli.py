@@ -16,7 +16,7 @@ import time
 from typing import List, Optional
 
 from . import config as kpconfig
-from .app import iptables_config
+from .app import build_proxier
 from .backends.iptables import IptablesConfig
 from .iptables_proxier import IptablesProxier
 from .kernel.iptables import IptablesKernel, KernelError
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-bind-address", help="host:port of /metrics (default 127.0.0.1:10249)")
     p.add_argument("--iptables-min-sync-period", help="minimum interval between syncs (Go duration, e.g. 1s)")
     p.add_argument("--iptables-sync-period", help="maximum interval between full syncs (Go duration, e.g. 30s)")
+    p.add_argument("--ipvs-scheduler", help="IPVS scheduler (default rr)")
+    p.add_argument("--ipvs-min-sync-period", help="IPVS mode: minimum interval between syncs (Go duration)")
+    p.add_argument("--ipvs-sync-period", help="IPVS mode: maximum interval between full syncs (Go duration)")
     p.add_argument("--netns", default="", help="operate inside this named network namespace (labs, tests)")
     p.add_argument("--iptables", default="iptables", metavar="BINARY",
                    help="iptables binary family: iptables, iptables-nft or iptables-legacy")
@@ -64,6 +67,7 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
     # Flags override the file, as upstream.
     if args.proxy_mode:
         cfg.mode = args.proxy_mode
+        kpconfig.apply_mode_sync_periods(cfg)
     if args.hostname_override:
         cfg.hostname_override = args.hostname_override
     if args.cluster_cidr:
@@ -80,6 +84,12 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
         cfg.min_sync_period = kpconfig.parse_duration(args.iptables_min_sync_period, "--iptables-min-sync-period")
     if args.iptables_sync_period:
         cfg.sync_period = kpconfig.parse_duration(args.iptables_sync_period, "--iptables-sync-period")
+    if args.ipvs_scheduler is not None:
+        cfg.ipvs.scheduler = kpconfig.ipvs_scheduler(args.ipvs_scheduler, "--ipvs-scheduler")
+    if cfg.mode == "ipvs" and args.ipvs_min_sync_period:
+        cfg.min_sync_period = kpconfig.parse_duration(args.ipvs_min_sync_period, "--ipvs-min-sync-period")
+    if cfg.mode == "ipvs" and args.ipvs_sync_period:
+        cfg.sync_period = kpconfig.parse_duration(args.ipvs_sync_period, "--ipvs-sync-period")
     if cfg.min_sync_period > cfg.sync_period:
         raise kpconfig.ConfigError("--iptables-min-sync-period", "must not be greater than the sync period")
     if args.nodeport_addresses is not None:
@@ -108,13 +118,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except kpconfig.ConfigError as e:
         _err(f"error: {e}")
         return 2
-    if cfg.mode != "iptables":
-        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (only iptables)")
+    if cfg.mode not in ("iptables", "ipvs"):
+        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (iptables or ipvs)")
         return 2
     hostname = (cfg.hostname_override or socket.gethostname()).strip().lower()
     state = ProxyState(hostname)
     kernel = IptablesKernel(netns=args.netns, binary=args.iptables)
 
+    if args.cleanup and cfg.mode == "ipvs":
+        return _cleanup_ipvs(cfg, state, args.netns, kernel)
     if args.cleanup:
         proxier = IptablesProxier(state, IptablesConfig(masquerade_bit=cfg.masquerade_bit), kernel)
         try:
@@ -135,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     rejected = _reload(state, args.manifests, hostname)
     try:
-        proxier = IptablesProxier(state, iptables_config(cfg, state, args.netns), kernel)
+        proxier = build_proxier(cfg, state, args.netns, kernel)
     except RuntimeError as e:
         _err(f"error: {e}")
         return 1
@@ -146,6 +158,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     _report(result, args.verbose)
     return 3 if rejected else 0
+
+
+def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> int:
+    """Upstream's IPVS-mode cleanup: virtual services, kube-ipvs0, the KUBE chains of both
+    modes and their jumps, the ipsets."""
+    from .backends.ipvs import IpvsConfig
+    from .ipvs_proxier import IpvsProxier
+
+    ipvs_cfg = IpvsConfig(iptables=IptablesConfig(masquerade_bit=cfg.masquerade_bit),
+                          exclude_cidrs=cfg.ipvs.exclude_cidrs)
+    proxier = IpvsProxier(state, ipvs_cfg, kernel, netns)
+    try:
+        n = proxier.cleanup()
+    except KernelError as e:
+        _err(f"error: cleanup failed: {e}")
+        return 1
+    finally:
+        proxier.close()
+    _log(f"cleanup: removed {n} objects (virtual services, kube-ipvs0, chains, ipsets)")
+    return 0
 
 
 def _reload(state: ProxyState, directory: str, hostname: str) -> int:

@@ -37,6 +37,21 @@ class ConntrackConfig:
 
 
 @dataclass
+class IPVSConfig:
+    """The ``ipvs:`` section. The sync periods are None unless set: in IPVS mode a set one
+    replaces the proxy's sync period (upstream's v1alpha1 conversion does the same)."""
+
+    scheduler: str = ""  # "" = rr
+    sync_period: Optional[float] = None
+    min_sync_period: Optional[float] = None
+    exclude_cidrs: Tuple[str, ...] = ()
+    strict_arp: bool = False
+    tcp_timeout: float = 0.0
+    tcp_fin_timeout: float = 0.0
+    udp_timeout: float = 0.0
+
+
+@dataclass
 class ProxyConfig:
     mode: str = "iptables"
     hostname_override: str = ""
@@ -55,6 +70,7 @@ class ProxyConfig:
     kubeconfig: str = ""
     config_sync_period: float = 900.0
     conntrack: ConntrackConfig = field(default_factory=ConntrackConfig)
+    ipvs: IPVSConfig = field(default_factory=IPVSConfig)
     ignored: List[str] = field(default_factory=list)
 
 
@@ -118,7 +134,7 @@ def node_port_addresses(value: Any, path: str) -> Tuple[str, ...]:
 # Upstream fields that are valid but have no effect here.
 IGNORED = {
     "featureGates", "bindAddress", "bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion",
-    "oomScoreAdj", "portRange", "logging", "windowsRunAsService", "winkernel", "ipvs", "nftables",
+    "oomScoreAdj", "portRange", "logging", "windowsRunAsService", "winkernel", "nftables",
     "udpIdleTimeout",
 }
 
@@ -138,7 +154,7 @@ def parse(doc: Mapping[str, Any]) -> ProxyConfig:
         "nodePortAddresses": _npa, "healthzBindAddress": _addr("healthz_bind_address"),
         "metricsBindAddress": _addr("metrics_bind_address"), "iptables": _iptables,
         "clientConnection": _client, "conntrack": _conntrack, "configSyncPeriod": _dur("config_sync_period"),
-        "syncPeriod": _dur("sync_period"), "minSyncPeriod": _dur("min_sync_period"),
+        "syncPeriod": _dur("sync_period"), "minSyncPeriod": _dur("min_sync_period"), "ipvs": _ipvs,
     }
     for key, value in doc.items():
         if key in IGNORED:
@@ -155,7 +171,20 @@ def parse(doc: Mapping[str, Any]) -> ProxyConfig:
         raise ConfigError("detectLocal.interfaceNamePrefix", "required when detectLocalMode is InterfaceNamePrefix")
     if cfg.min_sync_period > cfg.sync_period:
         raise ConfigError("iptables.minSyncPeriod", "must not be greater than syncPeriod")
+    apply_mode_sync_periods(cfg)
     return cfg
+
+
+def apply_mode_sync_periods(cfg: ProxyConfig) -> None:
+    """In IPVS mode the ``ipvs:`` section's sync periods (when set) are the proxy's."""
+    if cfg.mode != "ipvs":
+        return
+    if cfg.ipvs.sync_period is not None:
+        cfg.sync_period = cfg.ipvs.sync_period
+    if cfg.ipvs.min_sync_period is not None:
+        cfg.min_sync_period = cfg.ipvs.min_sync_period
+    if cfg.min_sync_period > cfg.sync_period:
+        raise ConfigError("ipvs.minSyncPeriod", "must not be greater than syncPeriod")
 
 
 def _mode(cfg: ProxyConfig, v: Any, path: str) -> None:
@@ -243,6 +272,44 @@ def _iptables(cfg: ProxyConfig, v: Any, path: str) -> None:
             cfg.sync_period = parse_duration(val, p)
         elif key == "minSyncPeriod":
             cfg.min_sync_period = parse_duration(val, p)
+        else:
+            raise ConfigError(p, "unknown field")
+
+
+IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf", "mh",
+                   "twos")
+
+
+def ipvs_scheduler(value: Any, path: str) -> str:
+    value = _expect(value or "", path, str)
+    if value and value not in IPVS_SCHEDULERS:
+        raise ConfigError(path, f"unknown IPVS scheduler {value!r} (one of {', '.join(IPVS_SCHEDULERS)})")
+    return value
+
+
+def _ipvs(cfg: ProxyConfig, v: Any, path: str) -> None:
+    v = _expect(v or {}, path, dict)
+    ipvs = cfg.ipvs
+    for key, val in v.items():
+        p = f"{path}.{key}"
+        if key == "scheduler":
+            ipvs.scheduler = ipvs_scheduler(val, p)
+        elif key in ("syncPeriod", "minSyncPeriod"):
+            # 0s (what kubeadm writes for an unset duration) means "not set".
+            seconds = parse_duration(val, p) if val is not None else 0.0
+            if seconds < 0:
+                raise ConfigError(p, "must not be negative")
+            setattr(ipvs, "sync_period" if key == "syncPeriod" else "min_sync_period", seconds or None)
+        elif key == "excludeCIDRs":
+            ipvs.exclude_cidrs = _cidrs(val, p)
+        elif key == "strictARP":
+            ipvs.strict_arp = bool(_expect(val, p, bool)) if val is not None else False
+        elif key in ("tcpTimeout", "tcpFinTimeout", "udpTimeout"):
+            attr = {"tcpTimeout": "tcp_timeout", "tcpFinTimeout": "tcp_fin_timeout", "udpTimeout": "udp_timeout"}[key]
+            seconds = 0.0 if val is None else parse_duration(val, p)
+            if seconds < 0:
+                raise ConfigError(p, "must not be negative")
+            setattr(ipvs, attr, seconds)
         else:
             raise ConfigError(p, "unknown field")
 

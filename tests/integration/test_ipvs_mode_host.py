@@ -1,0 +1,186 @@
+"""IPVS mode's netfilter half on this machine's kernel (no IPVS, no dummy links here):
+the ipsets and the ``-m set`` iptables rules load into a real namespace and read back
+exactly as compiled, syncs converge, the other mode's leftovers go, --cleanup leaves
+nothing. IPVS itself and kube-ipvs0 are in-memory stand-ins here; traffic through IPVS
+is tested in the VM (tests/vm/guest/test_ipvs_proxy_traffic.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from proxyctl import save
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from ipvs_fakes import FakeIPVS, FakeLink, FakeSysctls  # noqa: E402
+
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import ipvs as ipvsc  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import (  # noqa: E402
+    IptablesConfig,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import render  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402
+    IptablesProxier,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import (  # noqa: E402
+    IpvsProxier,
+    Sysctls,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import IpsetKernel  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
+    IptablesKernel,
+    parse_save,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (  # noqa: E402
+    parse_endpoint_slice,
+    parse_service,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState  # noqa: E402
+
+NODE_IP = "192.168.50.1"
+CFG = ipvsc.IpvsConfig(iptables=IptablesConfig(local_mode="ClusterCIDR", local_cidrs=("10.244.0.0/16",)),
+                       node_ips=(NODE_IP,), node_port_ips=(NODE_IP,), primary_node_ip=NODE_IP)
+
+
+def svc(name, ip, port=80, node_port=0, **spec):
+    p = {"name": "http", "port": port, "protocol": "TCP"}
+    if node_port:
+        p["nodePort"] = node_port
+        spec.setdefault("type", "NodePort")
+    status = spec.pop("status", None)
+    obj = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+           "spec": {"clusterIP": ip, "ports": [p], **spec}}
+    if status:
+        obj["status"] = status
+    return parse_service(obj)
+
+
+def eps(service, ips, node="node1", name=None):
+    return parse_endpoint_slice({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "metadata": {"name": name or f"{service}-a", "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": service}},
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "nodeName": node} for ip in ips]})
+
+
+@pytest.fixture
+def node(lab):
+    ns = lab.ns("node")
+    state = ProxyState("node1")
+    ipvs, link = FakeIPVS(), FakeLink()
+    proxier = IpvsProxier(state, CFG, IptablesKernel(netns=ns), ns, ipvs_kernel=ipvs, ipset_kernel=IpsetKernel(ns),
+                          link=link, sysctls=FakeSysctls())
+    yield ns, state, proxier, ipvs, link
+
+
+def populate(state):
+    state.set_service(svc("web", "10.96.0.10"))
+    state.set_slice(eps("web", ["10.244.1.1", "10.244.1.2", "10.244.1.3"]))
+    state.set_service(svc("np", "10.96.0.30", node_port=30080, externalTrafficPolicy="Local"))
+    state.set_slice(eps("np", ["10.244.1.1"]))
+    state.set_service(svc("ext", "10.96.0.40", externalIPs=["203.0.113.40"]))
+    state.set_slice(eps("ext", ["10.244.1.3"], node="node2"))
+    # A source range holding the node: no KUBE-IPVS-OUT-FILTER rule (xt_ipvs is not on this kernel).
+    state.set_service(svc("lb", "10.96.0.50", node_port=30050, type="LoadBalancer",
+                          loadBalancerSourceRanges=["192.168.50.0/24"],
+                          status={"loadBalancer": {"ingress": [{"ip": "198.51.100.50"}]}}))
+    state.set_slice(eps("lb", ["10.244.1.2"], node="node2"))
+
+
+BUILTIN = {"INPUT", "FORWARD", "OUTPUT", "PREROUTING", "POSTROUTING"}
+
+
+def kube_rules(ns, skip=("KUBE-FIREWALL",)):
+    """Our chains and jumps as the kernel has them. Built-in chains are listed in reverse:
+    each jump was inserted at the top, in the compiled order (upstream's Prepend)."""
+    rules = {}
+    for table in ("filter", "nat"):
+        r, _chains = parse_save(save(ns, table), table)
+        for (t, c), lines in r.items():
+            if c in skip:
+                continue
+            if c in BUILTIN:
+                lines = [x for x in reversed(lines) if not any(x.endswith(f"-j {s}") for s in skip)]
+            if c.startswith("KUBE-") or lines:
+                rules[(t, c)] = lines
+    return rules
+
+
+def ipset_save(ns):
+    return subprocess.run(["ip", "netns", "exec", ns, "ipset", "save"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_rules_and_sets_load_and_read_back_as_compiled(node):
+    ns, state, proxier, ipvs, link = node
+    populate(state)
+    r = proxier.sync()
+    assert r.full and r.rules_written > 0
+    desired = proxier.agg.desired(CFG)
+    # iptables-save prints exactly the compiled text (our chains and our jumps).
+    assert render(kube_rules(ns), include_builtin=True) == render(desired.rules, include_builtin=True)
+    text = ipset_save(ns)
+    for name in ipvsc.IPSET_NAMES:
+        assert f"create {name} " in text
+    assert "add KUBE-LOAD-BALANCER-SOURCE-CIDR 198.51.100.50,tcp:80,192.168.50.0/24" in text
+    assert "add KUBE-LOAD-BALANCER-SOURCE-IP 198.51.100.50,tcp:80,198.51.100.50" in text
+    assert "add KUBE-NODE-PORT-LOCAL-TCP 30080" in text
+    assert "add KUBE-EXTERNAL-IP 203.0.113.40,tcp:80" in text
+    assert sorted(ipvs.summary()) == ["10.96.0.10:80/TCP", "10.96.0.30:80/TCP", "10.96.0.40:80/TCP",
+                                      "10.96.0.50:80/TCP", "192.168.50.1:30050/TCP", "192.168.50.1:30080/TCP",
+                                      "198.51.100.50:80/TCP", "203.0.113.40:80/TCP"]
+    # A second full sync finds nothing to do in the kernel.
+    again = proxier.sync(force_full=True)
+    assert again.changes == [] and again.rules_written == 0
+
+
+def test_partial_sync_updates_set_entries_and_rules(node):
+    ns, state, proxier, _ipvs, _link = node
+    populate(state)
+    proxier.sync()
+    state.set_slice(eps("web", ["10.244.1.3"]))  # 10.244.1.2 was web's only local use
+    state.delete_service("default", "ext")
+    r = proxier.sync()
+    assert not r.full
+    text = ipset_save(ns)
+    assert "add KUBE-LOOP-BACK 10.244.1.2,tcp:8080,10.244.1.2" not in text
+    assert "add KUBE-LOOP-BACK 10.244.1.1,tcp:8080,10.244.1.1" in text  # np still has it
+    assert "KUBE-EXTERNAL-IP 203.0.113.40" not in text
+    # KUBE-EXTERNAL-IP became empty: its three KUBE-SERVICES rules went.
+    assert not any("KUBE-EXTERNAL-IP " in rule for rule in kube_rules(ns)[("nat", "KUBE-SERVICES")])
+    assert render(kube_rules(ns), include_builtin=True) == render(proxier.agg.rules(CFG), include_builtin=True)
+    assert proxier.sync(force_full=True).changes == []
+
+
+def test_switch_from_iptables_mode_and_cleanup(node, lab):
+    ns, state, proxier, _ipvs, link = node
+    populate(state)
+    kernel = IptablesKernel(netns=ns)
+    IptablesProxier(state, IptablesConfig(local_mode="ClusterCIDR", local_cidrs=("10.244.0.0/16",)),
+                    kernel).sync(force_full=True)
+    assert "KUBE-SVC-" in save(ns, "nat")
+    state.mark_all_changed()
+    proxier.sync(force_full=True)
+    assert render(kube_rules(ns), include_builtin=True) == render(proxier.agg.rules(CFG), include_builtin=True)
+    text = save(ns)
+    for gone in ("KUBE-SVC-", "KUBE-SEP-", "KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-EXT-"):
+        assert gone not in text, gone
+
+    lab.iptables_restore("*filter\n:MINE - [0:0]\n-A INPUT -s 10.9.9.9/32 -j MINE\nCOMMIT\n")
+    assert proxier.cleanup() > 0
+    text = save(ns)
+    assert "KUBE-" not in text
+    assert "-A INPUT -s 10.9.9.9/32 -j MINE" in text
+    assert "KUBE-" not in ipset_save(ns)
+    assert not link.exists
+
+
+def test_sysctls_in_a_namespace(lab):
+    ns = lab.ns("node")
+    s = Sysctls(ns)
+    assert s.ensure({"net/ipv4/conf/all/arp_ignore": "1"}) == {"net/ipv4/conf/all/arp_ignore": "0 -> 1"}
+    assert s.ensure({"net/ipv4/conf/all/arp_ignore": "1"}) == {}
+    with pytest.raises(Exception, match="ip_vs kernel module"):
+        s.ensure({"net/ipv4/vs/conntrack": "1"})
