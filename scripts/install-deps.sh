@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(iptables nftables ipset conntrack iproute2 curl procps kmod shellcheck)
+PKGS=(iptables nftables ipset conntrack iproute2 curl procps kmod shellcheck
+      # The VM lab (tests/vm/vmlab.py): IPVS and systemd are tested in a Debian VM under qemu.
+      # debootstrap only recommends the keyring, and recommends are not installed here.
+      qemu-system-x86 qemu-utils debootstrap debian-archive-keyring openssh-client e2fsprogs git)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
