@@ -2,17 +2,12 @@
 present, absent, idempotence, check mode, diff, and real traffic."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
-import yaml
+from playbook import python_in, run_tasks
 from proxyctl import save
 
-COLLECTIONS = os.environ["KUBENODE_COLLECTIONS_PATH"]  # set by tests/conftest.py
 PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
 
 
@@ -21,31 +16,14 @@ def node(lab, tmp_path):
     for name, ip in PODS.items():
         lab.add_pod(name, ip)
     lab.add_client("client", "10.244.2.10")
-    wrapper = tmp_path / "python-in-node"
-    # Ansible runs the module with this interpreter: Python inside the node namespace.
-    wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {lab.ns("node")} {sys.executable} "$@"\n')
-    wrapper.chmod(0o700)
-    lab.wrapper = wrapper
+    lab.wrapper = python_in(lab, "node", tmp_path)  # Ansible runs the module inside the node
     lab.tmp = tmp_path
     return lab
 
 
 def play(lab, tasks, *flags):
     """Run tasks (module args list) and return each task's registered result."""
-    playbook = [{"hosts": "localhost", "gather_facts": False, "tasks": [
-        {"kubenode.proxy.k8s_service_iptables": args, "register": f"r{i}"} for i, args in enumerate(tasks)
-    ] + [{"copy": {"content": "{{ [%s] | to_json }}" % ", ".join(f"r{i}" for i in range(len(tasks))),
-                   "dest": str(lab.tmp / "results.json")}, "check_mode": False, "diff": False,
-          "vars": {"ansible_python_interpreter": sys.executable}}]}]
-    path = lab.tmp / "play.yml"
-    path.write_text(yaml.safe_dump(playbook))
-    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": COLLECTIONS, "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0"}
-    proc = subprocess.run(["ansible-playbook", "-i", "localhost,", "-e", "ansible_connection=local",
-                           "-e", f"ansible_python_interpreter={lab.wrapper}", str(path), *flags],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((lab.tmp / "results.json").read_text())
+    return run_tasks(lab.wrapper, lab.tmp, [{"kubenode.proxy.k8s_service_iptables": args} for args in tasks], *flags)
 
 
 WEB = dict(name="web", namespace="shop", cluster_ip="10.96.0.10", cluster_cidr="10.244.0.0/16",
