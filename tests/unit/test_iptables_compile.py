@@ -191,3 +191,56 @@ def test_headless_externalname_and_other_proxy_services_are_skipped():
                 service("ns", "o", "10.96.0.9", [port()], labels={"service.kubernetes.io/service-proxy-name": "x"})):
         with pytest.raises(Skipped):
             parse_service(obj)
+
+
+CLUSTER_IP_ONLY_CFGS = [
+    UPSTREAM_CFG,
+    ipt.IptablesConfig(local_cidrs=("10.0.0.0/8",), large_cluster=True),
+    ipt.IptablesConfig(masquerade_all=True, local_cidrs=("10.0.0.0/8",)),
+    ipt.IptablesConfig(local_mode="InterfaceNamePrefix", local_interface="cali"),
+    ipt.IptablesConfig(local_mode="BridgeInterface", local_interface="cbr0"),
+    ipt.IptablesConfig(local_mode="", local_cidrs=()),
+]
+CLUSTER_IP_ONLY_ENDPOINTS = [
+    [],
+    [endpoint("10.180.0.1")],
+    [endpoint("10.180.0.1"), endpoint("10.180.0.2", node="test-hostname"), endpoint("10.180.0.3", ready=False)],
+    # Only terminating endpoints: the serving ones are used (upstream's fallback), the rest not.
+    [endpoint("10.180.0.4", ready=False, serving=True, terminating=True),
+     endpoint("10.180.0.5", ready=False, serving=False, terminating=True)],
+    [endpoint("10.180.0.9", ready=False)],
+    [endpoint(f"10.181.0.{i}") for i in range(1, 8)],
+]
+
+
+@pytest.mark.parametrize("cfg", CLUSTER_IP_ONLY_CFGS, ids=lambda c: c.local_mode or "no-detection")
+@pytest.mark.parametrize("eps", CLUSTER_IP_ONLY_ENDPOINTS, ids=lambda e: f"{len(e)}-endpoints")
+@pytest.mark.parametrize("protocol", ["TCP", "UDP", "SCTP"])
+def test_cluster_ip_only_short_path_writes_what_the_general_path_writes(cfg, eps, protocol):
+    """compile_service() takes a short path for ClusterIP-only ports (most of a large
+    cluster); it must produce exactly the general compiler's rules and totals."""
+    state = build([service("ns", "web", "172.30.0.50", [port(name="http", protocol=protocol),
+                                                        port(name="", port=81, protocol=protocol)])],
+                  [endpoint_slice("ns", "web", eps, [slice_port(name="http", protocol=protocol),
+                                                     slice_port(name="", port=8081, protocol=protocol)])])
+    ports = state.ports_of("ns/web")
+    endpoints = state.endpoints_for("ns/web")
+    assert all(ipt._is_cluster_ip_only(sp) for sp in ports)
+    short = ipt.compile_service(ports, endpoints, cfg)
+    general = ipt.ServiceRules()
+    for sp in ports:
+        ipt._compile_port(general, sp, endpoints.get(sp.name, []), cfg)
+    assert short.chains == general.chains
+    assert short.shared == general.shared
+    assert (short.endpoints, short.no_endpoint_ports) == (general.endpoints, general.no_endpoint_ports)
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "NodePort"}, {"externalIPs": ["192.168.99.1"]}, {"internalTrafficPolicy": "Local"},
+    {"sessionAffinity": "ClientIP"},
+    {"type": "LoadBalancer", "status": {"loadBalancer": {"ingress": [{"ip": "1.2.3.4"}]}}},
+])
+def test_ports_with_more_than_a_cluster_ip_take_the_general_path(spec):
+    ports = [port(node_port=30080)] if spec.get("type") in ("NodePort", "LoadBalancer") else [port()]
+    state = build([service("ns", "web", "172.30.0.50", ports, **spec)], [])
+    assert not any(ipt._is_cluster_ip_only(sp) for sp in state.ports_of("ns/web"))

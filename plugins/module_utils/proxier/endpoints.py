@@ -5,14 +5,12 @@ CategorizeEndpoints, without topology hints)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
 
 from .model import Endpoint, ServicePort
 
 
-@dataclass(frozen=True)
-class Categorized:
+class Categorized(NamedTuple):  # a NamedTuple: built once per service port, cheaply
     cluster: List[Endpoint]
     local: List[Endpoint]
     reachable: List[Endpoint]  # every endpoint some policy chain jumps to: gets a SEP chain
@@ -50,7 +48,7 @@ def categorize(endpoints: Sequence[Endpoint], svc: ServicePort) -> Categorized:
     seen = set()
     reachable = []
     for ep in cluster + local:
-        if str(ep) not in seen:
-            seen.add(str(ep))
+        if ep.addr not in seen:
+            seen.add(ep.addr)
             reachable.append(ep)
     return Categorized(cluster, local, reachable, has_any)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from .backends import iptables as ipt
 from .backends.iptables_plan import TABLES, Plan, plan
+from .gcpause import paused_gc
 from .kernel.iptables import IptablesKernel, cleanup_text
 from .state import ProxyState
 
@@ -111,21 +112,27 @@ class IptablesProxier:
                 return False
         return True
 
-    def _full_sync(self, cfg: ipt.IptablesConfig, start: float, changed: Set[str]) -> SyncResult:
-        t0 = time.monotonic()
-        # Compiling is pure: a service that did not change since it was applied, under the
-        # same config, compiles to what we hold already. The kernel side is still checked.
+    def compile_all(self, cfg: ipt.IptablesConfig, changed: Set[str]) -> Tuple[Dict[str, ipt.ServiceRules], Dict]:
+        """Every service's rules and the whole desired ruleset (what a full sync computes
+        before it reads the kernel). Compiling is pure: a service that did not change since
+        it was applied, under the same config, compiles to what we hold already."""
         reuse = self.compiled if cfg == self._compiled_cfg else {}
         compiled = {}
-        for key in self.state.service_keys():
-            rules = reuse.get(key) if key not in changed else None
-            if rules is None:
-                rules = ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg)
-            compiled[key] = rules
-        desired = assemble(compiled, cfg)
+        with paused_gc():
+            for key in self.state.service_keys():
+                rules = reuse.get(key) if key not in changed else None
+                if rules is None:
+                    rules = ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg)
+                compiled[key] = rules
+            return compiled, assemble(compiled, cfg)
+
+    def _full_sync(self, cfg: ipt.IptablesConfig, start: float, changed: Set[str]) -> SyncResult:
+        t0 = time.monotonic()
+        compiled, desired = self.compile_all(cfg, changed)  # the kernel side is still checked
         compile_s = time.monotonic() - t0
         snap = self.kernel.snapshot_for_full_sync()
-        p = plan(snap.rules, desired, merge=False, existing=snap.chains)
+        with paused_gc():
+            p = plan(snap.rules, desired, merge=False, existing=snap.chains)
         apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
         self._last_rewrite = time.monotonic()
         self.compiled = compiled

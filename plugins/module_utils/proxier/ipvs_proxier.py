@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from .backends import ipvs as ipvsc
 from .backends.iptables import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
 from .backends.iptables_plan import TABLES, Plan, plan
+from .gcpause import paused_gc
 from .iptables_proxier import SyncResult
 from .kernel import ipvs as kipvs
 from .kernel.addresses import match_node_port_addresses, primary_address
@@ -358,9 +359,10 @@ class IpvsProxier:
             except Exception:  # keep the addresses we know; the sync itself may still work
                 pass
         agg = ipvsc.Aggregate()
-        for key in self.state.service_keys():
-            agg.set(key, self._compile(key))
-        desired = agg.desired(self.cfg)
+        with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
+            for key in self.state.service_keys():
+                agg.set(key, self._compile(key))
+            desired = agg.desired(self.cfg)
         compile_s = time.monotonic() - t0
         self.agg = agg
         errors: List[str] = []

@@ -9,6 +9,7 @@ field (``Service ns/name: spec.ports[0].port: ...``).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
@@ -47,9 +48,14 @@ class ServicePortName:
     def service(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def text(self) -> str:
         # Upstream's ServicePortName.String(): "ns/name" plus ":port" when the port is named.
+        # Cached: it is in every chain hash and comment the compiler writes for the port.
         return self.service + (f":{self.port}" if self.port else "")
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass(frozen=True)
@@ -98,10 +104,16 @@ class Endpoint:
     terminating: bool = False
     is_local: bool = False
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def addr(self) -> str:
+        """``ip:port`` (``[ip]:port`` for IPv6): names SEP chains and DNAT targets; cached
+        because a large compile asks for it several times per endpoint."""
         if ":" in self.ip:
             return f"[{self.ip}]:{self.port}"
         return f"{self.ip}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.addr
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ recompiles only those services.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .model import Endpoint, EndpointSlice, Node, Service, ServicePort, ServicePortName
 
@@ -21,7 +21,7 @@ class ProxyState:
         self._slices_by_service: Dict[str, Set[str]] = {}
         # Per slice, its endpoints per (port name, protocol), built once when the slice
         # arrives (as upstream's change tracker does) rather than at every compile.
-        self._slice_endpoints: Dict[str, Dict[Tuple[str, str], List[Endpoint]]] = {}
+        self._slice_endpoints: Dict[str, Dict[Tuple[str, str], Tuple[Endpoint, ...]]] = {}
         self._endpoint_total = 0  # endpoint_count(), kept as slices come and go
         self.node: Optional[Node] = None
         self._changed: Set[str] = set()
@@ -108,36 +108,46 @@ class ProxyState:
     def service_keys(self) -> List[str]:
         return sorted(self.services)
 
-    def endpoints_for(self, key: str) -> Dict[ServicePortName, List[Endpoint]]:
-        """Endpoints of every port of one service, merged over its slices, sorted."""
+    def endpoints_for(self, key: str) -> Dict[ServicePortName, Sequence[Endpoint]]:
+        """Endpoints of every port of one service, merged over its slices, sorted. Read-only:
+        with one slice (the common case) these are the state's own tuples, not copies."""
         svc = self.services.get(key)
         if svc is None:
             return {}
         family = 6 if ":" in (svc.ports[0].cluster_ip if svc.ports else "") else 4
         want = "IPv6" if family == 6 else "IPv4"
+        slice_keys = [k for k in self._slices_by_service.get(key, ()) if self.slices[k].address_type == want]
+        result: Dict[ServicePortName, Sequence[Endpoint]] = {}
+        if len(slice_keys) == 1:
+            # The common case: one slice, whose lists are sorted and deduplicated at intake.
+            lists = self._slice_endpoints[slice_keys[0]]
+            for sp in svc.ports:
+                result[sp.name] = lists.get((sp.name.port, sp.protocol), ())
+            return result
         by_port: Dict[Tuple[str, str], Dict[str, Endpoint]] = {}
-        for slice_key in sorted(self._slices_by_service.get(key, ())):
-            if self.slices[slice_key].address_type != want:
-                continue
+        for slice_key in sorted(slice_keys):
             for port_key, eps in self._slice_endpoints[slice_key].items():
                 bucket = by_port.setdefault(port_key, {})
                 for e in eps:
                     # A duplicate across slices (during slice churn): keep the first one seen.
-                    bucket.setdefault(str(e), e)
-        result: Dict[ServicePortName, List[Endpoint]] = {}
+                    bucket.setdefault(e.addr, e)
         for sp in svc.ports:
             bucket = by_port.get((sp.name.port, sp.protocol), {})
             result[sp.name] = [bucket[k] for k in sorted(bucket)]
         return result
 
-    def _endpoints_of(self, sl: EndpointSlice) -> Dict[Tuple[str, str], List[Endpoint]]:
-        out: Dict[Tuple[str, str], List[Endpoint]] = {}
+    def _endpoints_of(self, sl: EndpointSlice) -> Dict[Tuple[str, str], Tuple[Endpoint, ...]]:
+        """Per (port name, protocol): the slice's endpoints sorted by address, a duplicate
+        address kept once (its first occurrence), as endpoints_for() returns them."""
+        out: Dict[Tuple[str, str], Tuple[Endpoint, ...]] = {}
         for port in sl.ports:
-            out[(port.name, port.protocol)] = [
-                Endpoint(ip=ep.addresses[0], port=port.port, node_name=ep.node_name,
-                         ready=ep.ready, serving=ep.serving, terminating=ep.terminating,
-                         is_local=bool(ep.node_name) and ep.node_name == self.hostname)
-                for ep in sl.endpoints]
+            unique: Dict[str, Endpoint] = {}
+            for ep in sl.endpoints:
+                e = Endpoint(ip=ep.addresses[0], port=port.port, node_name=ep.node_name,
+                             ready=ep.ready, serving=ep.serving, terminating=ep.terminating,
+                             is_local=bool(ep.node_name) and ep.node_name == self.hostname)
+                unique.setdefault(e.addr, e)
+            out[(port.name, port.protocol)] = tuple(unique[k] for k in sorted(unique))
         return out
 
     def ports_of(self, key: str) -> Tuple[ServicePort, ...]:
