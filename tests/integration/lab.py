@@ -75,6 +75,7 @@ session are not touched.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import json
 import os
@@ -92,7 +93,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 HERE = Path(__file__).resolve().parent
 ECHO_SERVER = HERE / "echo_server.py"
@@ -563,18 +564,20 @@ class Lab:
 
     # ------------------------------------------------------------ processes
 
-    def spawn(self, ns: str, argv: Sequence[str]) -> subprocess.Popen[str]:
+    def spawn(self, ns: str, argv: Sequence[str], stdout: Optional[Path] = None) -> subprocess.Popen[str]:
         """Start a long-running process in ``ns``; it is killed by :meth:`close`.
 
-        stdout is a pipe, stderr goes to a log file in the lab's work dir.
+        stdout is a pipe (or the file ``stdout``), stderr goes to a log file in the lab's
+        work dir.
         """
-        return self._spawn(ns, argv, "proc")[0]
+        return self._spawn(ns, argv, "proc", stdout)[0]
 
-    def _spawn(self, ns: str, argv: Sequence[str], log_name: str) -> tuple[subprocess.Popen[str], Path]:
+    def _spawn(self, ns: str, argv: Sequence[str], log_name: str,
+               stdout: Optional[Path] = None) -> tuple[subprocess.Popen[str], Path]:
         log = self._workdir / f"{log_name}-{len(self._processes)}.log"
-        with log.open("w") as stderr:
+        with log.open("w") as stderr, (stdout.open("w") if stdout else contextlib.nullcontext()) as out:
             proc = subprocess.Popen(["ip", "netns", "exec", self.ns(ns), *argv],
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, stdout=out if stdout else subprocess.PIPE,
                                     stderr=stderr, text=True)
         self._processes.append(proc)
         return proc, log

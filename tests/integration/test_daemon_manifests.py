@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 import pytest
+import yaml
 from proxyctl import BIN, eps, save, svc, tcp, write_manifests
 
 HTTP = [tcp(80, "http")]
@@ -40,8 +41,9 @@ def daemon(lab, tmp_path):
     proc = lab.spawn("node", [sys.executable, str(BIN), "--manifests", str(manifests), "--hostname-override", "node1",
                               "--cluster-cidr", "10.244.0.0/16", "--iptables-min-sync-period", "100ms",
                               "--healthz-bind-address", "127.0.0.1:10256",
-                              "--metrics-bind-address", "127.0.0.1:10249"])
+                              "--metrics-bind-address", "127.0.0.1:10249"], stdout=tmp_path / "daemon.log")
     lab.daemon = proc
+    lab.log = tmp_path / "daemon.log"
     lab.manifests = manifests
     yield lab
     if proc.poll() is None:
@@ -70,6 +72,27 @@ def test_malformed_object_is_skipped_and_others_keep_working(daemon):
     wait_for(lambda: backends(lab, "10.96.0.11", 3) == Counter({"be1": 3}))
     assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
     assert "10.96.0.12" not in save(lab.ns("node"), "nat")
+
+
+def test_unparseable_file_keeps_its_last_good_objects(daemon):
+    """A file that stops parsing (here two documents run together: a repeated ``kind``, which
+    PyYAML alone would load as one mixed object) is rejected by name and its services keep
+    their rules; the fixed file is followed again."""
+    lab = daemon
+    wait_for(lambda: set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"})
+    api = lab.manifests / "api.yaml"
+    api.write_text(yaml.safe_dump_all([svc("api", "10.96.0.11", HTTP), eps("api", [PODS["be1"]], HTTP_EP)]))
+    wait_for(lambda: backends(lab, "10.96.0.11", 3) == Counter({"be1": 3}))
+    good = api.read_text()
+    api.write_text(good.replace("---\n", "", 1))  # the separator lost: one mapping, keys repeated
+    wait_for(lambda: "found duplicate key" in lab.log.read_text())
+    log = lab.log.read_text()
+    assert f"rejected {api}: cannot parse:" in log and "keeping its last good version" in log, log
+    time.sleep(1.5)  # a manifests poll interval and a sync later the rules are still there
+    assert backends(lab, "10.96.0.11", 5) == Counter({"be1": 5})
+    assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
+    api.write_text(yaml.safe_dump_all([svc("api", "10.96.0.11", HTTP), eps("api", [PODS["be2"]], HTTP_EP)]))
+    wait_for(lambda: backends(lab, "10.96.0.11", 5) == Counter({"be2": 5}))
 
 
 def test_sigterm_leaves_rules_in_place(daemon):

@@ -56,9 +56,11 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
     if args.config:
         import yaml
 
+        from .strict_yaml import load
+
         try:
             with open(args.config, encoding="utf-8") as fh:
-                doc = yaml.safe_load(fh)
+                doc = load(fh)
         except (OSError, yaml.YAMLError) as e:
             raise kpconfig.ConfigError("(file)", f"cannot read {args.config}: {e}") from None
         cfg = kpconfig.parse(doc)

@@ -239,6 +239,7 @@ class ManifestsWatcher:
         self._thread: Optional[threading.Thread] = None
         self._fingerprint: Optional[Tuple] = None
         self._file_errors: Set[str] = set()
+        self._last_good: Dict[str, List[Tuple[str, Any]]] = {}  # per file: its last parsed documents
 
     def fingerprint(self) -> Tuple:
         entries = []
@@ -259,9 +260,24 @@ class ManifestsWatcher:
         if fp == self._fingerprint:
             return False
         self._fingerprint = fp
-        from .sources.manifests import read_dir
+        from .sources.manifests import manifest_files, read_file
 
-        objects, errors = read_dir(self.directory)
+        # A file that stops parsing (a typo, an editor's half-written save) keeps the
+        # objects it last had: dropping them would delete its services from the node.
+        objects: List[Tuple[str, Any]] = []
+        errors: List[str] = []
+        good: Dict[str, List[Tuple[str, Any]]] = {}
+        for path in manifest_files(self.directory):
+            try:
+                good[path] = read_file(path)
+            except Exception as e:
+                kept = self._last_good.get(path)
+                errors.append(f"{path}: cannot parse: {e}; "
+                              + ("keeping its last good version" if kept is not None else "skipped"))
+                if kept is not None:
+                    good[path] = kept
+            objects.extend(good.get(path, ()))
+        self._last_good = good
         for err in errors:
             if err not in self._file_errors:
                 self.log(f"rejected {err}")

@@ -36,10 +36,10 @@ class Loaded:
 
 
 def _documents(path: str) -> Iterator[Tuple[int, Any]]:
-    import yaml
+    from ..strict_yaml import load_all
 
     with open(path, encoding="utf-8") as fh:
-        for i, doc in enumerate(yaml.safe_load_all(fh)):
+        for i, doc in enumerate(load_all(fh)):
             if isinstance(doc, Mapping) and doc.get("kind") == "List" or (
                 isinstance(doc, Mapping) and str(doc.get("kind", "")).endswith("List") and "items" in doc
             ):
@@ -70,24 +70,32 @@ def load_objects(objects: List[Tuple[str, Any]], proxy_name: str = "") -> Loaded
     return out
 
 
-def read_dir(directory: str) -> Tuple[List[Tuple[str, Any]], List[str]]:
-    """Every document under ``directory`` as (origin, object), and per-file errors."""
+def manifest_files(directory: str) -> List[str]:
+    """The files under ``directory`` that hold manifests, in load order."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"manifests directory {directory!r} does not exist")
-    objects: List[Tuple[str, Any]] = []
-    errors: List[str] = []
+    paths: List[str] = []
     for root, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name.startswith(".") or not name.endswith(SUFFIXES):
-                continue
-            path = os.path.join(root, name)
-            try:
-                docs = list(_documents(path))
-            except Exception as e:  # a YAML syntax error names the file; other files still load
-                errors.append(f"{path}: cannot parse: {e}")
-                continue
-            objects.extend((f"{path}#{i}", doc) for i, doc in docs)
+        paths.extend(os.path.join(root, name) for name in sorted(files)
+                     if not name.startswith(".") and name.endswith(SUFFIXES))
+    return paths
+
+
+def read_file(path: str) -> List[Tuple[str, Any]]:
+    """One file's documents as (origin, object); raises on a syntax error or a repeated key."""
+    return [(f"{path}#{i}", doc) for i, doc in _documents(path)]
+
+
+def read_dir(directory: str) -> Tuple[List[Tuple[str, Any]], List[str]]:
+    """Every document under ``directory`` as (origin, object), and per-file errors."""
+    objects: List[Tuple[str, Any]] = []
+    errors: List[str] = []
+    for path in manifest_files(directory):
+        try:
+            objects.extend(read_file(path))
+        except Exception as e:  # a YAML syntax error names the file; other files still load
+            errors.append(f"{path}: cannot parse: {e}")
     return objects, errors
 
 
