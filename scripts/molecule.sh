@@ -14,20 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  # What the VM lab needs on the host (qemu, an image builder, ssh) and molecule itself.
-  pkgs=(qemu-system-x86 qemu-utils debootstrap openssh-client e2fsprogs util-linux tar)
-  missing=()
-  for p in "${pkgs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  if [ "${#missing[@]}" -gt 0 ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
-  fi
-  python3 -c 'import molecule' 2>/dev/null || python3 -m pip install -q -r requirements.txt
-fi
+# What the VM lab needs on the host (qemu, an image builder, ssh) and molecule itself: one
+# list, in install-deps.sh.
+[ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install-deps.sh
 
 # The role and the module it uses are found as the collection kubenode.proxy: expose this
 # checkout as <dir>/ansible_collections/kubenode/proxy (a private symlink per checkout).
