@@ -26,8 +26,6 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.conn
     list_flows,
 )
 
-pytest.importorskip("pyroute2")
-
 SVC = "10.96.0.53"
 OTHER_SVC = "10.96.0.54"
 TCP_SVC = "10.96.0.80"

@@ -19,8 +19,6 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel impo
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.conntrack import list_flows
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.sysctl import parse_sysctl_conf
 
-pytest.importorskip("pyroute2")
-
 MAX = tune.MAX_KEY
 EST = tune.KEYS["tcp_timeout_established"]
 CW = tune.KEYS["tcp_timeout_close_wait"]

@@ -552,8 +552,8 @@ def test_set_specs_are_upstreams():
                                                                       "0-65535"]
     assert ipvs.IPSET_BY_NAME["KUBE-CLUSTER-IP"].create_args() == [
         "KUBE-CLUSTER-IP", "hash:ip,port", "family", "inet", "hashsize", "1024", "maxelem", "65536"]
-    specs = pytest.importorskip(
-        "ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset_specs")
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipset_specs as specs
+
     for spec in specs.KUBE_IPSETS:  # the kernel layer's table agrees with the compiler's
         mine = ipvs.IPSET_BY_NAME[spec.name]
         assert (mine.set_type, mine.comment) == (spec.type, spec.comment)
