@@ -546,14 +546,13 @@ def test_sysctls_and_conn_reuse_mode():
 
 
 def test_set_specs_are_upstreams():
-    counts = Counter(s.set_type for s in ipvs.IPSETS)
+    counts = Counter(ipvs.IPSET_BY_NAME[name].type for name in ipvs.IPSET_NAMES)
     assert counts == {"hash:ip,port": 8, "hash:ip,port,ip": 2, "hash:ip,port,net": 1, "bitmap:port": 5, "hash:ip": 1}
-    assert ipvs.IPSET_BY_NAME["KUBE-NODE-PORT-TCP"].create_args() == ["KUBE-NODE-PORT-TCP", "bitmap:port", "range",
-                                                                      "0-65535"]
-    assert ipvs.IPSET_BY_NAME["KUBE-CLUSTER-IP"].create_args() == [
-        "KUBE-CLUSTER-IP", "hash:ip,port", "family", "inet", "hashsize", "1024", "maxelem", "65536"]
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipset_specs as specs
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import _ipset
 
-    for spec in specs.KUBE_IPSETS:  # the kernel layer's table agrees with the compiler's
-        mine = ipvs.IPSET_BY_NAME[spec.name]
-        assert (mine.set_type, mine.comment) == (spec.type, spec.comment)
+    node_port = _ipset("KUBE-NODE-PORT-TCP", ["30080"])
+    assert (node_port.type, node_port.header_tokens()) == ("bitmap:port", ["range", "0-65535"])
+    cluster_ip = _ipset("KUBE-CLUSTER-IP", ["10.96.0.10,tcp:80"])
+    assert (cluster_ip.type, cluster_ip.header_tokens()) == (
+        "hash:ip,port", ["family", "inet", "hashsize", "1024", "maxelem", "65536"])
+    assert list(cluster_ip.entries) == ["10.96.0.10,tcp:80"]

@@ -45,8 +45,9 @@ from .iptables_proxier import SyncResult
 from .kernel import ipvs as kipvs
 from .kernel.addresses import match_node_port_addresses, primary_address
 from .kernel.dummy_link import DummyLink
-from .kernel.ipset import IPSet, IpsetKernel, entries_of, temp_name
+from .kernel.ipset import IPSet, IpsetKernel, temp_name
 from .kernel.ipset import plan as ipset_plan
+from .kernel.ipset_specs import kube_ipset
 from .kernel.iptables import IptablesKernel, KernelError, Snapshot
 from .state import ProxyState
 
@@ -268,15 +269,7 @@ def _excluded(address: str, cidrs: Sequence[str]) -> bool:
 
 
 def _ipset(name: str, entries: Iterable[str]) -> IPSet:
-    spec = ipvsc.IPSET_BY_NAME[name]
-    s = IPSet(name, spec.set_type, entries=entries_of(sorted(entries)))
-    if s.is_hash:
-        s.family = spec.family
-        s.hashsize = spec.hashsize
-        s.maxelem = spec.maxelem
-    else:
-        s.range = spec.port_range
-    return s
+    return kube_ipset(name, entries=sorted(entries))  # created as upstream creates it
 
 
 class IpvsProxier:
@@ -429,16 +422,7 @@ class IpvsProxier:
             errors.append(f"iptables: {e}")
 
         # 6. unbind what no service uses any more.
-        try:
-            for ip in self.link.remove(bound - desired.addresses):
-                changes.append(f"- {ipvsc.DUMMY_DEVICE} {ip}")
-        except Exception as e:
-            errors.append(f"{ipvsc.DUMMY_DEVICE} addresses: {e}")
-
-        apply_s = time.monotonic() - t1
-        if errors:
-            raise IpvsSyncError("full sync failed: " + "; ".join(errors))
-        return self._result(True, changes, rules_written, compile_s, apply_s, start)
+        return self._finish(True, bound - desired.addresses, changes, errors, rules_written, compile_s, t1, start)
 
     def _partial_sync(self, changed: Set[str], start: float) -> IpvsSyncResult:
         t0 = time.monotonic()
@@ -520,16 +504,21 @@ class IpvsProxier:
             except Exception as e:
                 errors.append(f"iptables: {e}")
 
+        return self._finish(False, addr_removed, changes, errors, rules_written, compile_s, t1, start)
+
+    def _finish(self, full: bool, unbind: Iterable[str], changes: List[str], errors: List[str],
+                rules_written: int, compile_s: float, apply_start: float, start: float) -> IpvsSyncResult:
+        """The last step of both syncs: unbind addresses no service uses any more (after the
+        virtual services and rules that used them are gone), then report or fail."""
         try:
-            for ip in self.link.remove(addr_removed):
+            for ip in self.link.remove(unbind):
                 changes.append(f"- {ipvsc.DUMMY_DEVICE} {ip}")
         except Exception as e:
             errors.append(f"{ipvsc.DUMMY_DEVICE} addresses: {e}")
-
-        apply_s = time.monotonic() - t1
+        apply_s = time.monotonic() - apply_start
         if errors:
-            raise IpvsSyncError("partial sync failed: " + "; ".join(errors))
-        return self._result(False, changes, rules_written, compile_s, apply_s, start)
+            raise IpvsSyncError(f"{'full' if full else 'partial'} sync failed: " + "; ".join(errors))
+        return self._result(full, changes, rules_written, compile_s, apply_s, start)
 
     def _apply_ipvs(self, current: List[Any], want: List[Any], delete: Callable[[Any], bool],
                     errors: List[str]) -> List[str]:

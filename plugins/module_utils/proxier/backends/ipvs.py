@@ -37,6 +37,9 @@ from ..kernel.ipset_specs import (
     KUBE_EXTERNAL_IP,
     KUBE_EXTERNAL_IP_LOCAL,
     KUBE_HEALTH_CHECK_NODE_PORT,
+    KUBE_IPSET_MATCHES,
+    KUBE_IPSETS,
+    KUBE_IPSETS_BY_NAME,
     KUBE_IPVS_IPS,
     KUBE_LOAD_BALANCER,
     KUBE_LOAD_BALANCER_FW,
@@ -50,6 +53,7 @@ from ..kernel.ipset_specs import (
     KUBE_NODE_PORT_SCTP,
     KUBE_NODE_PORT_TCP,
     KUBE_NODE_PORT_UDP,
+    KubeIPSetSpec,
 )
 from ..model import Endpoint, ServicePort
 from .iptables import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
@@ -62,70 +66,11 @@ FLAG_PERSISTENT = 0x1
 FLAG_HASHED = 0x2
 FLAG_SOURCE_HASH = 0x10  # IP_VS_SVC_F_SCHED2 (mh-port): upstream sets it for the "mh" scheduler
 
-# --- ipsets (pkg/proxy/ipvs/ipset.go) -------------------------------------------------
+# --- ipsets (pkg/proxy/ipvs/ipset.go): names, types and comments are kernel/ipset_specs.py's
 
-HASH_IP = "hash:ip"
-HASH_IP_PORT = "hash:ip,port"
-HASH_IP_PORT_IP = "hash:ip,port,ip"
-HASH_IP_PORT_NET = "hash:ip,port,net"
-BITMAP_PORT = "bitmap:port"
-
-
-KUBE_LOAD_BALANCER_SET = KUBE_LOAD_BALANCER
-
-
-@dataclass(frozen=True)
-class IPSetSpec:
-    """One of upstream's ipsets: ``ipset create <name> <type> ...`` as upstream's runner
-    creates it (hash sets: family, hashsize 1024, maxelem 65536; bitmap:port: range
-    0-65535). The comment is the one upstream's iptables rules carry."""
-
-    name: str
-    set_type: str
-    comment: str
-    family: str = "inet"
-    hashsize: int = 1024
-    maxelem: int = 65536
-    port_range: str = "0-65535"
-
-    def create_args(self) -> List[str]:
-        """The arguments after ``create`` (``ipset create`` / restore syntax)."""
-        if self.set_type == BITMAP_PORT:
-            return [self.name, self.set_type, "range", self.port_range]
-        return [self.name, self.set_type, "family", self.family, "hashsize", str(self.hashsize),
-                "maxelem", str(self.maxelem)]
-
-
-IPSETS: Tuple[IPSetSpec, ...] = (
-    IPSetSpec(KUBE_LOOP_BACK, HASH_IP_PORT_IP,
-              "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose"),
-    IPSetSpec(KUBE_CLUSTER_IP, HASH_IP_PORT, "Kubernetes service cluster ip + port for masquerade purpose"),
-    IPSetSpec(KUBE_EXTERNAL_IP, HASH_IP_PORT,
-              "Kubernetes service external ip + port for masquerade and filter purpose"),
-    IPSetSpec(KUBE_EXTERNAL_IP_LOCAL, HASH_IP_PORT,
-              "Kubernetes service external ip + port with externalTrafficPolicy=local"),
-    IPSetSpec(KUBE_LOAD_BALANCER_SET, HASH_IP_PORT, "Kubernetes service lb portal"),
-    IPSetSpec(KUBE_LOAD_BALANCER_FW, HASH_IP_PORT,
-              "Kubernetes service load balancer ip + port for load balancer with sourceRange"),
-    IPSetSpec(KUBE_LOAD_BALANCER_LOCAL, HASH_IP_PORT,
-              "Kubernetes service load balancer ip + port with externalTrafficPolicy=local"),
-    IPSetSpec(KUBE_LOAD_BALANCER_SOURCE_IP, HASH_IP_PORT_IP,
-              "Kubernetes service load balancer ip + port + source IP for packet filter purpose"),
-    IPSetSpec(KUBE_LOAD_BALANCER_SOURCE_CIDR, HASH_IP_PORT_NET,
-              "Kubernetes service load balancer ip + port + source cidr for packet filter purpose"),
-    IPSetSpec(KUBE_NODE_PORT_TCP, BITMAP_PORT, "Kubernetes nodeport TCP port for masquerade purpose"),
-    IPSetSpec(KUBE_NODE_PORT_LOCAL_TCP, BITMAP_PORT, "Kubernetes nodeport TCP port with externalTrafficPolicy=local"),
-    IPSetSpec(KUBE_NODE_PORT_UDP, BITMAP_PORT, "Kubernetes nodeport UDP port for masquerade purpose"),
-    IPSetSpec(KUBE_NODE_PORT_LOCAL_UDP, BITMAP_PORT, "Kubernetes nodeport UDP port with externalTrafficPolicy=local"),
-    IPSetSpec(KUBE_NODE_PORT_SCTP, HASH_IP_PORT,
-              "Kubernetes nodeport SCTP port for masquerade purpose with type 'hash ip:port'"),
-    IPSetSpec(KUBE_NODE_PORT_LOCAL_SCTP, HASH_IP_PORT,
-              "Kubernetes nodeport SCTP port with externalTrafficPolicy=local with type 'hash ip:port'"),
-    IPSetSpec(KUBE_HEALTH_CHECK_NODE_PORT, BITMAP_PORT, "Kubernetes health check node port"),
-    IPSetSpec(KUBE_IPVS_IPS, HASH_IP, "Addresses on the ipvs interface"),
-)
-IPSET_BY_NAME: Dict[str, IPSetSpec] = {s.name: s for s in IPSETS}
-IPSET_NAMES: Tuple[str, ...] = tuple(s.name for s in IPSETS)
+KUBE_LOAD_BALANCER_SET = KUBE_LOAD_BALANCER  # the set; KUBE_LOAD_BALANCER below is the chain
+IPSET_BY_NAME: Dict[str, KubeIPSetSpec] = KUBE_IPSETS_BY_NAME
+IPSET_NAMES: Tuple[str, ...] = tuple(s.name for s in KUBE_IPSETS)
 
 _NODE_PORT_SETS = {"tcp": (KUBE_NODE_PORT_TCP, KUBE_NODE_PORT_LOCAL_TCP),
                    "udp": (KUBE_NODE_PORT_UDP, KUBE_NODE_PORT_LOCAL_UDP),
@@ -163,23 +108,6 @@ JUMPS: Tuple[Tuple[str, str, str, str], ...] = (
     (FILTER, "FORWARD", KUBE_PROXY_FIREWALL, "kube-proxy firewall rules"),
     (FILTER, "INPUT", KUBE_IPVS_FILTER, "kubernetes ipvs access filter"),
     (FILTER, "OUTPUT", KUBE_IPVS_OUT_FILTER, "kubernetes ipvs access filter"),
-)
-
-# ipsetWithIptablesChain: (set, table, from chain, target, match type, protocol match).
-# The LOCAL node-port sets come before their masquerading counterparts.
-_SET_RULES: Tuple[Tuple[str, str, str, str, str, str], ...] = (
-    (KUBE_LOOP_BACK, NAT, KUBE_POSTROUTING, "MASQUERADE", "dst,dst,src", ""),
-    (KUBE_LOAD_BALANCER_SET, NAT, KUBE_SERVICES, KUBE_LOAD_BALANCER, "dst,dst", ""),
-    (KUBE_LOAD_BALANCER_LOCAL, NAT, KUBE_LOAD_BALANCER, "RETURN", "dst,dst", ""),
-    (KUBE_NODE_PORT_LOCAL_TCP, NAT, KUBE_NODE_PORT, "RETURN", "dst", "tcp"),
-    (KUBE_NODE_PORT_TCP, NAT, KUBE_NODE_PORT, KUBE_MARK_MASQ, "dst", "tcp"),
-    (KUBE_NODE_PORT_LOCAL_UDP, NAT, KUBE_NODE_PORT, "RETURN", "dst", "udp"),
-    (KUBE_NODE_PORT_UDP, NAT, KUBE_NODE_PORT, KUBE_MARK_MASQ, "dst", "udp"),
-    (KUBE_NODE_PORT_LOCAL_SCTP, NAT, KUBE_NODE_PORT, "RETURN", "dst,dst", "sctp"),
-    (KUBE_NODE_PORT_SCTP, NAT, KUBE_NODE_PORT, KUBE_MARK_MASQ, "dst,dst", "sctp"),
-    (KUBE_LOAD_BALANCER_FW, FILTER, KUBE_PROXY_FIREWALL, KUBE_SOURCE_RANGES_FIREWALL, "dst,dst", ""),
-    (KUBE_LOAD_BALANCER_SOURCE_CIDR, FILTER, KUBE_SOURCE_RANGES_FIREWALL, "RETURN", "dst,dst,src", ""),
-    (KUBE_LOAD_BALANCER_SOURCE_IP, FILTER, KUBE_SOURCE_RANGES_FIREWALL, "RETURN", "dst,dst,src", ""),
 )
 
 IP_PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "sctp": 132}
@@ -640,9 +568,9 @@ def iptables_rules(cfg: IpvsConfig, nonempty: FrozenSet[str],
     loopback = "::1/128" if cfg.ipv6 else "127.0.0.0/8"
     add(NAT, KUBE_SERVICES, rule(src=loopback, target="RETURN"))
 
-    for set_name, table, chain, target, match, proto in _SET_RULES:
-        if set_name in nonempty:
-            add(table, chain, _set_rule(set_name, match, target, proto))
+    for m in KUBE_IPSET_MATCHES:  # upstream's ipsetWithIptablesChain, LOCAL sets first
+        if m.set in nonempty:
+            add(m.table, m.chain, _set_rule(m.set, m.match, m.target, m.protocol))
 
     if KUBE_CLUSTER_IP in nonempty:
         comment = IPSET_BY_NAME[KUBE_CLUSTER_IP].comment
