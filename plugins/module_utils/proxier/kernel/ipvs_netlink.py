@@ -398,67 +398,46 @@ class GenlConnection:
         except TimeoutError as exc:
             raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
 
+    def _exchange(self, msg_type: int, flags: int, payload: bytes, what: str) -> List[Tuple[int, bytes]]:
+        """Send one request; return the (type, body) answers to it (matched by sequence
+        number) up to its acknowledgement or the end of the dump. An error code in the
+        ack or the end marker raises NetlinkError(code, what)."""
+        seq = self._next_seq()
+        self.sock.send(nlmsg(msg_type, flags, seq, payload))
+        out: List[Tuple[int, bytes]] = []
+        while True:
+            for kind, _flags, rseq, body in split_messages(self._recv()):
+                if rseq != seq:
+                    continue
+                if kind in (NLMSG_ERROR, NLMSG_DONE):
+                    code = -struct.unpack_from("=i", body)[0] if len(body) >= 4 else 0
+                    if code:
+                        raise NetlinkError(code, what)
+                    return out
+                out.append((kind, body))
+
     def resolve_family(self, name: str) -> int:
         """The generic netlink family id (ENOENT: no such family: for IPVS,
         the kernel has no ip_vs module; the lookup itself asks the kernel to
         load it)."""
-        seq = self._next_seq()
+        what = f"generic netlink family {name}"
         payload = genl_payload(CTRL_CMD_GETFAMILY, nla_string(CTRL_ATTR_FAMILY_NAME, name), version=1)
-        self.sock.send(nlmsg(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, seq, payload))
-        family_id = None
-        while True:
-            for kind, _flags, rseq, body in split_messages(self._recv()):
-                if rseq != seq:
-                    continue
-                if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", body)[0]
-                    if code:
-                        raise NetlinkError(code, f"generic netlink family {name}")
-                    if family_id is None:
-                        raise NetlinkError(errno.ENOENT, f"generic netlink family {name}")
-                    return family_id
-                if kind == GENL_ID_CTRL:
-                    _cmd, attrs = genl_attrs(body)
-                    family_id = _u16(attrs.get(CTRL_ATTR_FAMILY_ID)) or None
+        for kind, body in self._exchange(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, payload, what):
+            family_id = _u16(genl_attrs(body)[1].get(CTRL_ATTR_FAMILY_ID)) if kind == GENL_ID_CTRL else None
+            if family_id:
+                return family_id
+        raise NetlinkError(errno.ENOENT, what)
 
     def dump(self, cmd: int, attrs: bytes = b"") -> List[Dict[int, bytes]]:
         """A dump request; the top-level attributes of every answer."""
-        seq = self._next_seq()
-        self.sock.send(nlmsg(self.family_id, NLM_F_REQUEST | NLM_F_DUMP, seq, genl_payload(cmd, attrs)))
-        out: List[Dict[int, bytes]] = []
-        while True:
-            for kind, _flags, rseq, body in split_messages(self._recv()):
-                if rseq != seq:
-                    continue
-                if kind == NLMSG_DONE:
-                    code = -struct.unpack_from("=i", body)[0] if len(body) >= 4 else 0
-                    if code:
-                        raise NetlinkError(code, "dump")
-                    return out
-                if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", body)[0]
-                    if code:
-                        raise NetlinkError(code, "dump")
-                    return out
-                if kind == self.family_id:
-                    out.append(genl_attrs(body)[1])
+        answers = self._exchange(self.family_id, NLM_F_REQUEST | NLM_F_DUMP, genl_payload(cmd, attrs), "dump")
+        return [genl_attrs(body)[1] for kind, body in answers if kind == self.family_id]
 
     def get(self, cmd: int, attrs: bytes = b"") -> Dict[int, bytes]:
         """A single-answer request (GET_SERVICE, GET_INFO): its attributes."""
-        seq = self._next_seq()
-        self.sock.send(nlmsg(self.family_id, NLM_F_REQUEST | NLM_F_ACK, seq, genl_payload(cmd, attrs)))
-        answer: Optional[Dict[int, bytes]] = None
-        while True:
-            for kind, _flags, rseq, body in split_messages(self._recv()):
-                if rseq != seq:
-                    continue
-                if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", body)[0]
-                    if code:
-                        raise NetlinkError(code)
-                    return answer or {}
-                if kind == self.family_id:
-                    answer = genl_attrs(body)[1]
+        answers = self._exchange(self.family_id, NLM_F_REQUEST | NLM_F_ACK, genl_payload(cmd, attrs), "")
+        found = [genl_attrs(body)[1] for kind, body in answers if kind == self.family_id]
+        return found[-1] if found else {}
 
     def request_batch(self, payloads: Sequence[bytes], batch_size: int = DEFAULT_BATCH) -> List[int]:
         """Send generic netlink payloads (each a request wanting an ack),
