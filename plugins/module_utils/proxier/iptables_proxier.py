@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from .backends import iptables as ipt
 from .backends.iptables_plan import TABLES, Plan, plan
 from .gcpause import paused_gc
-from .kernel.iptables import IptablesKernel, cleanup_text
+from .kernel.iptables import IptablesKernel, Snapshot, cleanup_text
 from .state import ProxyState
 
 
@@ -75,12 +75,15 @@ class IptablesProxier:
         full = force_full or self.need_full
         self.last_attempt_full = full
         try:
-            if full and not self.need_full and self._large_table_intact(cfg):
+            snap = None
+            if full and not self.need_full and self._rewrite_not_due(cfg):
+                snap = self.kernel.snapshot_for_full_sync()  # read once: a full sync reuses it
+            if snap is not None and self._large_table_intact(cfg, snap):
                 # Large table, periodic resync, nothing known to be wrong: the chain listing
                 # agrees with what we applied, so a partial sync is all that is needed.
                 result = self._partial_sync(changed, start)
             elif full:
-                result = self._full_sync(cfg, start, changed)
+                result = self._full_sync(cfg, start, changed, snap)
             else:
                 result = self._partial_sync(changed, start)
         except Exception:
@@ -92,23 +95,24 @@ class IptablesProxier:
         result.changed = changed
         return result
 
-    def _large_table_intact(self, cfg: ipt.IptablesConfig) -> bool:
-        """For tables too large to read rule by rule (see kernel/iptables.py): True when a
-        rewrite was done less than ``rewrite_period`` ago and the kernel's chain names and
-        built-in jumps are exactly what we applied since. Upstream likewise rewrites
+    def _rewrite_not_due(self, cfg: ipt.IptablesConfig) -> bool:
+        """A rewrite was done less than ``rewrite_period`` ago under this config."""
+        return (bool(self.compiled) and cfg == self._compiled_cfg
+                and time.monotonic() - self._last_rewrite < self.rewrite_period)
+
+    def _large_table_intact(self, cfg: ipt.IptablesConfig, snap: Snapshot) -> bool:
+        """For tables too large to read rule by rule (``snap`` holds chain names and the
+        built-in chains only, see kernel/iptables.py): True when the kernel's chain names
+        and built-in jumps are exactly what we applied. Upstream likewise rewrites
         everything only hourly; content edits inside our chains wait for that rewrite."""
-        if (not self.compiled or cfg != self._compiled_cfg
-                or time.monotonic() - self._last_rewrite >= self.rewrite_period):
-            return False
-        chains = self.kernel.list_chains()
-        if chains is None or len(chains) <= self.kernel.diff_max_chains:
-            return False
+        if snap.complete:
+            return False  # small enough to diff rule by rule: the full sync does that
         applied = assemble(self.compiled, cfg)
         want = {k for k in applied if k[1] not in ipt.BUILTIN_CHAINS}
-        if {k for k in chains if k[1].startswith(ipt.SERVICE_CHAIN_PREFIXES) or k in want} != want:
+        if {k for k in snap.chains if k[1].startswith(ipt.SERVICE_CHAIN_PREFIXES) or k in want} != want:
             return False
-        for (table, chain), rules in applied.items():
-            if chain in ipt.BUILTIN_CHAINS and not set(rules) <= set(self.kernel.list_rules(table, chain)):
+        for key, rules in applied.items():
+            if key[1] in ipt.BUILTIN_CHAINS and not set(rules) <= set(snap.rules.get(key, ())):
                 return False
         return True
 
@@ -126,11 +130,13 @@ class IptablesProxier:
                 compiled[key] = rules
             return compiled, assemble(compiled, cfg)
 
-    def _full_sync(self, cfg: ipt.IptablesConfig, start: float, changed: Set[str]) -> SyncResult:
+    def _full_sync(self, cfg: ipt.IptablesConfig, start: float, changed: Set[str],
+                   snap: Optional[Snapshot] = None) -> SyncResult:
         t0 = time.monotonic()
         compiled, desired = self.compile_all(cfg, changed)  # the kernel side is still checked
         compile_s = time.monotonic() - t0
-        snap = self.kernel.snapshot_for_full_sync()
+        if snap is None:
+            snap = self.kernel.snapshot_for_full_sync()
         with paused_gc():
             p = plan(snap.rules, desired, merge=False, existing=snap.chains)
         apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
