@@ -199,7 +199,7 @@ def test_netns_is_passed_to_the_kernel(capsys, fake_kernel):
     (dict(address="10.0.0.1", port=80, scheduler_flags=["bogus"]), "value of scheduler_flags must be one or more"),
     (dict(address="10.0.0.1", port=0), "port 0 virtual service must be persistent"),
     (dict(address="10.0.0.1", port=80, persistence_timeout=-5), "must not be negative"),
-    (dict(address="not-an-ip", port=80), "does not appear to be an IPv4 or IPv6 address"),
+    (dict(address="not-an-ip", port=80), "ipvs_virtual_server: address: must be a valid IP address"),
     (dict(address="10.0.0.1", port=80, persistence_netmask="255.0.255.0", persistence_timeout=5), "contiguous"),
     (dict(address="10.0.0.1", port=80, real_servers=[dict(address="10.1.0.1", port=8080)]),
      "with route forwarding the port must be the virtual port 80"),

@@ -198,6 +198,24 @@ def label_value(value: str) -> str:
     return ""
 
 
+_NETNS_NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,255}")
+_IPVS_SCHEDULER = re.compile(r"[a-z][a-z0-9]{0,14}")
+
+
+def netns_name(value: str) -> str:
+    """'' if ``value`` names a network namespace under /run/netns (no path, no '..')."""
+    if not _NETNS_NAME.fullmatch(value) or value in (".", ".."):
+        return "must be a network namespace name: letters, digits and '_.@:+-', not '.' or '..', no '/'"
+    return ""
+
+
+def ipvs_scheduler(value: str) -> str:
+    """'' if ``value`` can name an IPVS scheduler (kernel module ip_vs_<name>)."""
+    if not _IPVS_SCHEDULER.fullmatch(value):
+        return "must be a scheduler name: a lowercase letter, then up to 14 lowercase letters or digits"
+    return ""
+
+
 # --- IP addresses and CIDRs ----------------------------------------------------------------
 
 _IPV4_SHAPE = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}")
