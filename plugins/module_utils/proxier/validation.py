@@ -467,6 +467,8 @@ def validate_service_spec(f: Fields, obj: Mapping[str, Any]) -> None:
         families.append(family_of(f.ip(value, path)))
     if ips and cluster_ip and ips[0] != cluster_ip:
         raise f.error("spec.clusterIPs[0]", f"must match spec.clusterIP {shown(cluster_ip)}", ips[0])
+    if not ips and cluster_ip and not headless:
+        families.append(family_of(parse_ip(cluster_ip)))  # clusterIPs defaults to [clusterIP]
     if len(families) == 2 and families[0] == families[1]:
         raise f.error("spec.clusterIPs", "must hold at most one address of each IP family", list(ips))
     declared = f.list(spec.get("ipFamilies"), "spec.ipFamilies", limit=2)
