@@ -235,6 +235,12 @@ from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 try:
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.validation import (
+        Fields,
+        ValidationError,
+        ipvs_scheduler,
+        netns_name,
+    )
     IMPORT_ERROR = None
 except ImportError:  # pragma: no cover - reported by the module
     IMPORT_ERROR = traceback.format_exc()
@@ -274,8 +280,30 @@ ARGUMENT_SPEC = dict(
 )
 
 
+def check_options(params):
+    """The API-style checks of validation.py (ValidationError naming the option): strict IP
+    syntax (no leading zeros, no IPv4-mapped IPv6, no zone), port ranges, names that end up
+    in paths or kernel requests."""
+    f = Fields("ipvs_virtual_server")
+    if params["address"]:
+        f.ip(params["address"], "address")
+    if params["port"] is not None:
+        f.integer(params["port"], "port", 0, 65535)
+    if params["fwmark"] is not None:
+        f.integer(params["fwmark"], "fwmark", 0, 0xFFFFFFFF)
+    f.named(params.get("scheduler") or "", "scheduler", ipvs_scheduler)
+    if params.get("netns"):
+        f.named(params["netns"], "netns", netns_name)
+    for i, item in enumerate(params["real_servers"] or []):
+        f.ip(item.get("address"), "real_servers[%d].address" % i)
+        if item.get("port") is not None:
+            f.integer(item["port"], "real_servers[%d].port" % i, 0, 65535)
+
+
 def desired_service(params):
-    """The VirtualServer and RealServers the parameters ask for (ValueError if invalid)."""
+    """The VirtualServer and RealServers the parameters ask for (ValueError if invalid;
+    ValidationError, a ValueError, naming the option for what validation.py refuses)."""
+    check_options(params)
     fwmark = params["fwmark"] or 0
     if fwmark and (params["address"] or params["port"] is not None or params["protocol"]):
         raise ValueError("fwmark cannot be combined with protocol, address or port")
@@ -324,6 +352,8 @@ class IPVSVirtualServer(object):
         p = self.params
         try:
             desired = desired_service(p)
+        except ValidationError as e:
+            self.fail(str(e), field=e.path)
         except ValueError as e:
             self.fail(str(e))
         vs = desired.virtual
@@ -379,6 +409,10 @@ def main():
     )
     if IMPORT_ERROR:
         module.fail_json(msg="cannot import the kubenode.proxy core", exception=IMPORT_ERROR)
+    try:
+        check_options(module.params)  # before anything opens a namespace by that name
+    except ValidationError as e:
+        module.fail_json(msg=str(e), field=e.path)
     if module.params["netns"]:
         error = pyroute2_error()
         if error:

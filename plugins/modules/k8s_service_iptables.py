@@ -245,6 +245,12 @@ try:
         parse_service,
     )
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.validation import (
+        Fields,
+        dns1035_label,
+        dns1123_label,
+        dns1123_subdomain,
+    )
     IMPORT_ERROR = None
 except ImportError:  # pragma: no cover - reported by the module
     IMPORT_ERROR = traceback.format_exc()
@@ -305,8 +311,29 @@ class ServiceIptables(object):
         self.params = module.params
         self.kernel = IptablesKernel(binary=self.params["iptables_binary"])
 
+    def _check_options(self):
+        """The options that do not go through parse_service(), by the same rules (the
+        flat form's objects, and the service and slices given as objects, do)."""
+        p = self.params
+        f = Fields("k8s_service_iptables")
+        try:
+            if p["name"] is not None:
+                f.named(p["name"], "name", dns1035_label)
+                f.named(p["namespace"], "namespace", dns1123_label)
+            if p["node_name"]:
+                f.named(p["node_name"], "node_name", dns1123_subdomain)
+            if p["cluster_cidr"]:
+                f.cidr(p["cluster_cidr"], "cluster_cidr")
+            f.integer(p["masquerade_bit"], "masquerade_bit", 0, 31)
+            for i, sp in enumerate(p["ports"] or []):
+                if sp.get("target_port") is not None:
+                    f.integer(sp["target_port"], "ports[%d].target_port" % i, 1, 65535)
+        except ValidationError as e:
+            self.module.fail_json(msg=str(e), field=e.path)
+
     def _objects(self):
         p = self.params
+        self._check_options()
         if p["service"] is not None:
             return p["service"], p["endpoint_slices"]
         if not p["name"]:

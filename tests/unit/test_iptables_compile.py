@@ -219,20 +219,24 @@ CLUSTER_IP_ONLY_ENDPOINTS = [
 def test_cluster_ip_only_short_path_writes_what_the_general_path_writes(cfg, eps, protocol):
     """compile_service() takes a short path for ClusterIP-only ports (most of a large
     cluster); it must produce exactly the general compiler's rules and totals."""
+    # Two named ports, and one unnamed (the API server allows that only for a single port).
     state = build([service("ns", "web", "172.30.0.50", [port(name="http", protocol=protocol),
-                                                        port(name="", port=81, protocol=protocol)])],
+                                                        port(name="metrics", port=81, protocol=protocol)]),
+                   service("ns", "one", "172.30.0.51", [port(name="", port=81, protocol=protocol)])],
                   [endpoint_slice("ns", "web", eps, [slice_port(name="http", protocol=protocol),
-                                                     slice_port(name="", port=8081, protocol=protocol)])])
-    ports = state.ports_of("ns/web")
-    endpoints = state.endpoints_for("ns/web")
-    assert all(ipt._is_cluster_ip_only(sp) for sp in ports)
-    short = ipt.compile_service(ports, endpoints, cfg)
-    general = ipt.ServiceRules()
-    for sp in ports:
-        ipt._compile_port(general, sp, endpoints.get(sp.name, []), cfg)
-    assert short.chains == general.chains
-    assert short.shared == general.shared
-    assert (short.endpoints, short.no_endpoint_ports) == (general.endpoints, general.no_endpoint_ports)
+                                                     slice_port(name="metrics", port=8081, protocol=protocol)]),
+                   endpoint_slice("ns", "one", eps, [slice_port(name="", port=8081, protocol=protocol)])])
+    for key in ("ns/web", "ns/one"):
+        ports = state.ports_of(key)
+        endpoints = state.endpoints_for(key)
+        assert all(ipt._is_cluster_ip_only(sp) for sp in ports)
+        short = ipt.compile_service(ports, endpoints, cfg)
+        general = ipt.ServiceRules()
+        for sp in ports:
+            ipt._compile_port(general, sp, endpoints.get(sp.name, []), cfg)
+        assert short.chains == general.chains
+        assert short.shared == general.shared
+        assert (short.endpoints, short.no_endpoint_ports) == (general.endpoints, general.no_endpoint_ports)
 
 
 @pytest.mark.parametrize("spec", [

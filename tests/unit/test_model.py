@@ -13,20 +13,20 @@ from .helpers import endpoint, endpoint_slice, port, service, slice_port
 
 
 @pytest.mark.parametrize("mutate,path,problem", [
-    (lambda s: s["spec"].update(clusterIP="10.96.0.300"), "spec.clusterIP", "not a valid IP"),
-    (lambda s: s["spec"]["ports"][0].update(port=70000), "spec.ports[0].port", "out of range"),
-    (lambda s: s["spec"]["ports"][0].update(port="80"), "spec.ports[0].port", "expected an integer"),
-    (lambda s: s["spec"]["ports"][0].update(protocol="ICMP"), "spec.ports[0].protocol", "must be one of"),
-    (lambda s: s["spec"].update(externalIPs=["1.2.3"]), "spec.externalIPs[0]", "not a valid IP"),
+    (lambda s: s["spec"].update(clusterIP="10.96.0.300"), "spec.clusterIP", "must be a valid IP"),
+    (lambda s: s["spec"]["ports"][0].update(port=70000), "spec.ports[0].port", "must be between 1 and 65535"),
+    (lambda s: s["spec"]["ports"][0].update(port="80"), "spec.ports[0].port", "must be an integer, not string"),
+    (lambda s: s["spec"]["ports"][0].update(protocol="ICMP"), "spec.ports[0].protocol", "supported: TCP, UDP, SCTP"),
+    (lambda s: s["spec"].update(externalIPs=["1.2.3"]), "spec.externalIPs[0]", "must be a valid IP"),
     (lambda s: s["spec"].update(loadBalancerSourceRanges=["10.0.0.0/33"]), "spec.loadBalancerSourceRanges[0]",
-     "not a valid CIDR"),
-    (lambda s: s["spec"].update(externalTrafficPolicy="Nearby"), "spec.externalTrafficPolicy", "Cluster or Local"),
+     "prefix length must be at most 32"),
+    (lambda s: s["spec"].update(externalTrafficPolicy="Nearby"), "spec.externalTrafficPolicy", "Cluster, Local"),
     (lambda s: s["spec"].update(sessionAffinity="ClientIP", sessionAffinityConfig={"clientIP": {"timeoutSeconds": 0}}),
-     "spec.sessionAffinityConfig.clientIP.timeoutSeconds", "out of range"),
-    (lambda s: s["spec"].update(type="Bogus"), "spec.type", "unknown type"),
-    (lambda s: s["spec"]["ports"].append(dict(s["spec"]["ports"][0])), "spec.ports[1].name", "duplicate port"),
+     "spec.sessionAffinityConfig.clientIP.timeoutSeconds", "must be between 1 and 86400"),
+    (lambda s: s["spec"].update(type="Bogus"), "spec.type", "unsupported value"),
+    (lambda s: s["spec"]["ports"].append(dict(s["spec"]["ports"][0])), "spec.ports[1].name", "duplicate value"),
     (lambda s: s.update(status={"loadBalancer": {"ingress": [{"ip": "x"}]}}), "status.loadBalancer.ingress[0].ip",
-     "not a valid IP"),
+     "must be a valid IP"),
 ])
 def test_service_errors_name_object_and_field(mutate, path, problem):
     svc = service("shop", "web", "10.96.0.10", [port()])

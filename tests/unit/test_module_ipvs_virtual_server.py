@@ -199,7 +199,7 @@ def test_netns_is_passed_to_the_kernel(capsys, fake_kernel):
     (dict(address="10.0.0.1", port=80, scheduler_flags=["bogus"]), "value of scheduler_flags must be one or more"),
     (dict(address="10.0.0.1", port=0), "port 0 virtual service must be persistent"),
     (dict(address="10.0.0.1", port=80, persistence_timeout=-5), "must not be negative"),
-    (dict(address="not-an-ip", port=80), "does not appear to be an IPv4 or IPv6 address"),
+    (dict(address="not-an-ip", port=80), "ipvs_virtual_server: address: must be a valid IP address"),
     (dict(address="10.0.0.1", port=80, persistence_netmask="255.0.255.0", persistence_timeout=5), "contiguous"),
     (dict(address="10.0.0.1", port=80, real_servers=[dict(address="10.1.0.1", port=8080)]),
      "with route forwarding the port must be the virtual port 80"),
@@ -209,6 +209,15 @@ def test_netns_is_passed_to_the_kernel(capsys, fake_kernel):
     (dict(address="10.0.0.1", port=80, real_servers=[dict(address="10.1.0.1", l_threshold=3)]),
      "lower threshold 3 is above the upper threshold 0"),
     (dict(address="10.0.0.1", port=80, real_servers=[dict(port=80)]), "missing required arguments: address"),
+    # validation.py's strict IP syntax and names that reach paths or the kernel
+    (dict(address="010.0.0.1", port=80), "ipvs_virtual_server: address: must not have leading 0s: '010.0.0.1'"),
+    (dict(address="::ffff:10.0.0.1", port=80), "address: must not be an IPv4-mapped IPv6 address"),
+    (dict(address="fe80::1%eth0", port=80), "address: must be a valid IP address"),
+    (dict(address="10.0.0.1", port=80, real_servers=[dict(address="10.1.0.01")]),
+     "real_servers[0].address: must not have leading 0s"),
+    (dict(address="10.0.0.1", port=70000), "port: must be between 0 and 65535"),
+    (dict(address="10.0.0.1", port=80, scheduler="../../x"), "scheduler: must be a scheduler name"),
+    (dict(address="10.0.0.1", port=80, netns="../../etc"), "netns: must be a network namespace name"),
 ])
 def test_bad_arguments_fail_with_a_clear_message(capsys, args, message):
     out = run_module(capsys, args)

@@ -52,6 +52,29 @@ def test_invalid_object_names_object_and_field(capsys):
     assert out["msg"].startswith("Service shop/web: spec.ports[0].port:")
 
 
+@pytest.mark.parametrize("args,field,message", [
+    (dict(FLAT, name="Web_Service"), "name", "k8s_service_iptables: name: must be a lowercase RFC 1035 label"),
+    (dict(FLAT, name="w" * 64), "name", "no more than 63 characters"),
+    (dict(FLAT, namespace="Shop"), "namespace", "RFC 1123 label"),
+    (dict(FLAT, node_name="node_1"), "node_name", "RFC 1123 subdomain"),
+    (dict(FLAT, cluster_cidr="10.244.0.0/16\n-A INPUT -j ACCEPT"), "cluster_cidr", "valid CIDR"),
+    (dict(FLAT, masquerade_bit=40), "masquerade_bit", "between 0 and 31"),
+    (dict(FLAT, ports=[dict(name="Http_Port", port=80)]), "spec.ports[0].name", "RFC 1123 label"),
+    (dict(FLAT, ports=[dict(name="http", port=0)]), "spec.ports[0].port", "between 1 and 65535"),
+    (dict(FLAT, cluster_ip="010.96.0.10"), "spec.clusterIP", "leading 0s"),
+    (dict(FLAT, endpoints=[dict(address="169.254.169.254")]), "endpoints[0].addresses[0]", "link-local"),
+    (dict(FLAT, endpoints=[dict(address="127.0.0.1")]), "endpoints[0].addresses[0]", "loopback"),
+])
+def test_hostile_options_fail_with_the_field(capsys, args, field, message):
+    out = run_module(capsys, args)
+    assert out["failed"] and out["field"] == field and message in out["msg"], out
+
+
+def test_ipv6_service_is_refused_by_the_ipv4_module(capsys):
+    out = run_module(capsys, dict(FLAT, cluster_ip="fd00::10", external_ips=[], endpoints=[dict(address="fd00::1")]))
+    assert out["failed"] and "not proxied" in out["msg"] and "serves IPv4" in out["msg"]
+
+
 def test_present_needs_a_cluster_ip_in_flat_form(capsys):
     out = run_module(capsys, {"name": "web"})
     assert out["failed"] and "cluster_ip is required" in out["msg"]

@@ -48,6 +48,12 @@ def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) ->
     )
 
 
+def served_family(cfg: kpconfig.ProxyConfig) -> int:
+    """The IP family the proxier programs. IPv4 only until dual-stack: Services and slices
+    of the other family are ignored (a dual-stack Service keeps its IPv4 half)."""
+    return 4
+
+
 def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> Any:
     """The compiler configuration of the configured mode (IptablesConfig or IpvsConfig)."""
     ipt = iptables_config(cfg, state, netns)
@@ -206,7 +212,7 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     state = ProxyState(hostname)
     proxier = build_proxier(cfg, state, args.netns, kernel)
     hooks = NodeHooks(cfg, state, proxier, args.netns, log)
-    daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks)
+    daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks, family=served_family(cfg))
     hooks.pending = daemon.has_pending
     if args.manifests:
         source: Any = ManifestsWatcher(args.manifests, daemon.on_relist, log)

@@ -2,9 +2,10 @@
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """``kubenode-proxy``: the proxy daemon's command line (upstream flag names).
 
-Exit codes: 0 success; 1 a sync or the cleanup failed (kernel left as it was);
-2 bad flags or configuration; 3 (with --once) the sync succeeded but some objects
-were rejected and left out (each one is named on stderr).
+Exit codes: 0 success (objects ignored by design - headless, ExternalName, another IP
+family or service proxy - are not rejections); 1 a sync or the cleanup failed (kernel left
+as it was); 2 bad flags or configuration; 3 (with --once) the sync succeeded but some
+objects were rejected and left out (each one is named on stderr with the field).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from typing import List, Optional
 
 from . import config as kpconfig
-from .app import build_proxier
+from .app import build_proxier, served_family
 from .backends.iptables import IptablesConfig
 from .iptables_proxier import IptablesProxier
 from .kernel.iptables import IptablesKernel, KernelError
@@ -147,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _err("error: --once needs --manifests DIR")
         return 2
 
-    rejected = _reload(state, args.manifests, hostname)
+    rejected = _reload(state, args.manifests, hostname, served_family(cfg))
     try:
         proxier = build_proxier(cfg, state, args.netns, kernel)
     except RuntimeError as e:
@@ -182,8 +183,11 @@ def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kern
     return 0
 
 
-def _reload(state: ProxyState, directory: str, hostname: str) -> int:
-    loaded = load_dir(directory)
+def _reload(state: ProxyState, directory: str, hostname: str, family: int = 4) -> int:
+    """Load the manifests; returns how many objects or files were rejected (named on
+    stderr). Objects ignored by design (headless, ExternalName, another IP family or
+    proxy) are not rejections."""
+    loaded = load_dir(directory, family=family)
     for err in loaded.errors:
         _err(f"rejected: {err}")
     state.replace_all(loaded.services, loaded.slices)

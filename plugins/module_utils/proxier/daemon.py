@@ -25,6 +25,7 @@ from .iptables_proxier import IptablesProxier, SyncResult
 from .model import Skipped, ValidationError, parse_endpoint_slice, parse_node, parse_service
 from .state import ProxyState
 from .sync import BoundedFrequencyRunner
+from .validation import object_identity, object_key
 
 TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 
@@ -40,20 +41,23 @@ class _Item:
     seen: float  # wall clock when the change was seen (or its trigger time)
 
 
-def _trigger_time(obj: Dict[str, Any], default: float) -> float:
-    ann = ((obj.get("metadata") or {}).get("annotations") or {}).get(TRIGGER_TIME_ANNOTATION)
-    if not ann:
+def _trigger_time(obj: Any, default: float) -> float:
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    anns = meta.get("annotations") if isinstance(meta, dict) else None
+    ann = anns.get(TRIGGER_TIME_ANNOTATION) if isinstance(anns, dict) else None
+    if not ann or not isinstance(ann, str) or len(ann) > 64:
         return default
     try:
-        return datetime.fromisoformat(str(ann).replace("Z", "+00:00")).timestamp()
-    except ValueError:
+        return datetime.fromisoformat(ann.replace("Z", "+00:00")).timestamp()
+    except (ValueError, OverflowError, OSError):
         return default
 
 
 class Daemon:
     def __init__(self, proxier: IptablesProxier, state: ProxyState, min_period: float, sync_period: float,
-                 log: LogFn, hooks: Optional[Hooks] = None) -> None:
+                 log: LogFn, hooks: Optional[Hooks] = None, family: int = 4) -> None:
         self.proxier = proxier
+        self.family = family  # the IP family the proxier serves: objects of the other are ignored
         self.state = state
         self.log = log
         self.hooks = hooks or Hooks()
@@ -106,14 +110,16 @@ class Daemon:
                 self._apply_event(item)
         return seen, node_changed
 
-    def _key(self, kind: str, obj: Dict[str, Any]) -> str:
-        meta = obj.get("metadata") or {}
-        return f"{kind} {meta.get('namespace') or 'default'}/{meta.get('name')}"
+    def _key(self, kind: str, obj: Any) -> str:
+        return f"{kind} {object_key(obj, kind)}"
 
-    def _parse(self, kind: str, obj: Dict[str, Any]):
+    def _parse(self, kind: str, obj: Any):
         key = self._key(kind, obj)
         try:
-            parsed = parse_service(obj) if kind == "Service" else parse_endpoint_slice(obj)
+            if kind == "Service":
+                parsed = parse_service(obj, family=self.family)
+            else:
+                parsed = parse_endpoint_slice(obj, family=self.family)
         except ValidationError as e:
             if self.rejected.get(key) != str(e):
                 self.log(f"rejected {e}; {'keeping its last good version' if self._known(kind, obj) else 'skipped'}")
@@ -125,14 +131,11 @@ class Daemon:
         self.rejected.pop(key, None)
         return parsed
 
-    def _known(self, kind: str, obj: Dict[str, Any]) -> bool:
-        meta = obj.get("metadata") or {}
-        key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
-        return key in (self.state.services if kind == "Service" else self.state.slices)
+    def _known(self, kind: str, obj: Any) -> bool:
+        return object_key(obj, kind) in (self.state.services if kind == "Service" else self.state.slices)
 
     def _apply_event(self, item: _Item) -> None:
-        meta = item.obj.get("metadata") or {}
-        ns, name = meta.get("namespace") or "default", meta.get("name") or ""
+        ns, name = object_identity(item.obj, item.kind)
         if item.etype == "DELETED":
             self.rejected.pop(self._key(item.kind, item.obj), None)
             if item.kind == "Service":
@@ -159,9 +162,8 @@ class Daemon:
         for obj in item.obj:
             parsed = self._parse(item.kind, obj)
             if parsed == "invalid":
-                meta = obj.get("metadata") or {}
-                key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
-                old = (self.state.services if item.kind == "Service" else self.state.slices).get(key)
+                old = (self.state.services if item.kind == "Service" else self.state.slices).get(
+                    object_key(obj, item.kind))
                 if old is not None:
                     good.append(old)
             elif parsed is not None:
@@ -175,7 +177,7 @@ class Daemon:
         objs = item.obj if item.op == "relist" else ([] if item.etype == "DELETED" else [item.obj])
         node = None
         for obj in objs:
-            if (obj.get("metadata") or {}).get("name") != self.state.hostname:
+            if object_identity(obj, "Node", namespaced=False)[1] != self.state.hostname:
                 continue
             try:
                 node = parse_node(obj)

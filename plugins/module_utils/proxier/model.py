@@ -3,16 +3,28 @@
 """Frozen value objects parsed and validated from Kubernetes API dicts.
 
 Parsing is the only gate to the kernel: anything that reaches a backend has been
-validated here, and a bad object is rejected with a message naming the object and the
-field (``Service ns/name: spec.ports[0].port: ...``).
+validated (validation.py, the API server's rules), and a bad object is rejected with a
+message naming the object and the field (``Service ns/name: spec.ports[0].port: ...``).
 """
 
 from __future__ import annotations
 
 import functools
-import ipaddress
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterable, Mapping, Tuple
+
+from .validation import (  # noqa: F401 - ValidationError is part of this module's interface
+    ValidationError,
+    dns1035_label,
+    dns1123_subdomain,
+    family_of,
+    parse_cidr,
+    parse_ip,
+    validate_endpoint_slice_body,
+    validate_metadata,
+    validate_node_spec,
+    validate_service_spec,
+)
 
 PROTOCOLS = ("TCP", "UDP", "SCTP")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -20,17 +32,6 @@ SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
 DEFAULT_STICKY_SECONDS = 10800
 MAX_STICKY_SECONDS = 86400
-
-
-class ValidationError(ValueError):
-    """A Kubernetes object that cannot be used; the message names object and field."""
-
-    def __init__(self, kind: str, name: str, path: str, problem: str) -> None:
-        self.kind = kind
-        self.name = name
-        self.path = path
-        self.problem = problem
-        super().__init__(f"{kind} {name}: {path}: {problem}")
 
 
 class Skipped(Exception):
@@ -156,173 +157,72 @@ class EndpointSlice:
     endpoints: Tuple[SliceEndpoint, ...]
 
 
-# --- helpers -----------------------------------------------------------------------
-
-
-def _meta(obj: Mapping[str, Any], kind: str) -> Tuple[str, str]:
-    if not isinstance(obj, Mapping):
-        raise ValidationError(kind, "?", "(object)", f"expected a mapping, got {type(obj).__name__}")
-    meta = obj.get("metadata")
-    if not isinstance(meta, Mapping):
-        raise ValidationError(kind, "?", "metadata", "missing")
-    name = meta.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValidationError(kind, "?", "metadata.name", "missing or not a string")
-    namespace = meta.get("namespace") or "default"
-    if not isinstance(namespace, str):
-        raise ValidationError(kind, name, "metadata.namespace", "not a string")
-    return namespace, name
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return labels if isinstance(labels, Mapping) else {}
-
-
-def _int(value: Any, err: _Err, path: str, lo: int, hi: int, default: Optional[int] = None) -> int:
-    if value is None and default is not None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise err(path, f"expected an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise err(path, f"{value} is out of range {lo}-{hi}")
-    return value
-
-
-def _ip(value: Any, err: _Err, path: str) -> str:
-    if not isinstance(value, str):
-        raise err(path, f"expected an IP address string, got {value!r}")
-    try:
-        return str(ipaddress.ip_address(value.strip()))
-    except ValueError:
-        raise err(path, f"{value!r} is not a valid IP address") from None
-
-
-def _list(value: Any, err: _Err, path: str) -> Sequence[Any]:
-    if value is None:
-        return ()
-    if not isinstance(value, (list, tuple)):
-        raise err(path, f"expected a list, got {type(value).__name__}")
-    return value
-
-
-class _Err:
-    def __init__(self, kind: str, name: str) -> None:
-        self.kind = kind
-        self.name = name
-
-    def __call__(self, path: str, problem: str) -> ValidationError:
-        return ValidationError(self.kind, self.name, path, problem)
-
-
-def _family(ip: str) -> int:
-    return ipaddress.ip_address(ip).version
-
-
 # --- Service -----------------------------------------------------------------------
 
 
-def parse_service(obj: Mapping[str, Any], proxy_name: str = "") -> Service:
+def _family_name(family: int) -> str:
+    return "IPv6" if family == 6 else "IPv4"
+
+
+def parse_service(obj: Mapping[str, Any], proxy_name: str = "", family: int = 4) -> Service:
     """Parse a v1 Service dict. Raises ValidationError or Skipped.
 
-    The primary cluster IP decides the IP family; addresses of the other family
-    (dual-stack) are dropped here as upstream's single-family proxier does.
+    The whole object is validated as the API server would (validation.py) before anything
+    is read. Only the node's IP ``family`` is kept: a single-stack Service of the other
+    family is skipped, a dual-stack one keeps its addresses of this family, as upstream's
+    single-family proxier does.
     """
-    namespace, name = _meta(obj, "Service")
+    f, namespace, name, labels = validate_metadata(obj, "Service", dns1035_label)
     full = f"{namespace}/{name}"
-    err = _Err("Service", full)
-    labels = _labels(obj)
     if labels.get(SERVICE_PROXY_NAME_LABEL, "") != proxy_name:
         raise Skipped(f"Service {full}: {SERVICE_PROXY_NAME_LABEL} is not ours")
-    spec = obj.get("spec")
-    if not isinstance(spec, Mapping):
-        raise err("spec", "missing")
+    if HEADLESS_LABEL in labels:
+        raise Skipped(f"Service {full}: labelled {HEADLESS_LABEL}")
+    validate_service_spec(f, obj)
+    spec: Mapping[str, Any] = obj["spec"]
     svc_type = spec.get("type") or "ClusterIP"
-    if svc_type not in ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName"):
-        raise err("spec.type", f"unknown type {svc_type!r}")
     if svc_type == "ExternalName":
         raise Skipped(f"Service {full}: ExternalName services are not proxied")
-    cluster_ip = spec.get("clusterIP")
-    if cluster_ip in (None, "", "None"):
+    cluster_ips = list(spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else []))
+    if not cluster_ips or cluster_ips[0] in ("", "None"):
         raise Skipped(f"Service {full}: headless (no cluster IP)")
-    cluster_ip = _ip(cluster_ip, err, "spec.clusterIP")
-    family = _family(cluster_ip)
+    want = _family_name(family)
+    mine = [ip for ip in map(parse_ip, cluster_ips) if family_of(ip) == want]
+    if not mine:
+        raise Skipped(f"Service {full}: {'/'.join(family_of(parse_ip(ip)) for ip in cluster_ips)} only; "
+                      f"this node serves {want}")
+    cluster_ip = str(mine[0])
 
-    def same_family(values: Iterable[str]) -> Tuple[str, ...]:
-        return tuple(v for v in values if _family(v) == family)
+    def served(values: Iterable[Any]) -> Tuple[str, ...]:
+        ips = (parse_ip(v) for v in values)
+        return tuple(str(ip) for ip in ips if family_of(ip) == want)
 
-    external_ips = same_family(
-        _ip(v, err, f"spec.externalIPs[{i}]")
-        for i, v in enumerate(_list(spec.get("externalIPs"), err, "spec.externalIPs"))
-    )
-    status = obj.get("status") or {}
-    ingress = _list(((status.get("loadBalancer") or {}).get("ingress")), err, "status.loadBalancer.ingress")
-    lb_ips = []
-    for i, ing in enumerate(ingress):
-        if not isinstance(ing, Mapping):
-            raise err(f"status.loadBalancer.ingress[{i}]", "expected a mapping")
-        # ipMode Proxy: the load balancer proxies, so the VIP must not be captured on the node.
-        if not ing.get("ip") or ing.get("ipMode") == "Proxy":
-            continue
-        lb_ips.append(_ip(ing["ip"], err, f"status.loadBalancer.ingress[{i}].ip"))
-    lb_ips_t = same_family(lb_ips)
-
-    ranges = []
-    for i, cidr in enumerate(_list(spec.get("loadBalancerSourceRanges"), err, "spec.loadBalancerSourceRanges")):
-        if not isinstance(cidr, str):
-            raise err(f"spec.loadBalancerSourceRanges[{i}]", f"expected a CIDR string, got {cidr!r}")
-        try:
-            net = ipaddress.ip_network(cidr.strip(), strict=False)
-        except ValueError:
-            raise err(f"spec.loadBalancerSourceRanges[{i}]", f"{cidr!r} is not a valid CIDR") from None
-        if net.version == family:
-            ranges.append(str(net))
+    external_ips = served(spec.get("externalIPs") or ())
+    ingress = ((obj.get("status") or {}).get("loadBalancer") or {}).get("ingress") or ()
+    # ipMode Proxy: the load balancer proxies, so the VIP must not be captured on the node.
+    lb_ips = served(ing["ip"] for ing in ingress if ing.get("ip") and ing.get("ipMode") != "Proxy")
+    ranges = tuple(str(net) for net in (parse_cidr(c.strip()) for c in spec.get("loadBalancerSourceRanges") or ())
+                   if family_of(net) == want)
 
     etp = spec.get("externalTrafficPolicy") or "Cluster"
-    if etp not in ("Cluster", "Local"):
-        raise err("spec.externalTrafficPolicy", f"must be Cluster or Local, got {etp!r}")
     itp = spec.get("internalTrafficPolicy") or "Cluster"
-    if itp not in ("Cluster", "Local"):
-        raise err("spec.internalTrafficPolicy", f"must be Cluster or Local, got {itp!r}")
-
-    affinity = spec.get("sessionAffinity") or "None"
-    if affinity not in ("None", "ClientIP"):
-        raise err("spec.sessionAffinity", f"must be None or ClientIP, got {affinity!r}")
     sticky = 0
-    if affinity == "ClientIP":
-        cfg = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {})
-        sticky = _int(cfg.get("timeoutSeconds"), err, "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
-                      1, MAX_STICKY_SECONDS, default=DEFAULT_STICKY_SECONDS)
-
+    if (spec.get("sessionAffinity") or "None") == "ClientIP":
+        cfg = (spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}
+        sticky = cfg.get("timeoutSeconds") or DEFAULT_STICKY_SECONDS
     hc_port = 0
-    if svc_type == "LoadBalancer" and etp == "Local" and spec.get("healthCheckNodePort"):
-        hc_port = _int(spec.get("healthCheckNodePort"), err, "spec.healthCheckNodePort", 1, 65535)
+    if svc_type == "LoadBalancer" and etp == "Local":
+        hc_port = spec.get("healthCheckNodePort") or 0
 
-    raw_ports = _list(spec.get("ports"), err, "spec.ports")
     ports = []
-    seen = set()
-    for i, p in enumerate(raw_ports):
-        path = f"spec.ports[{i}]"
-        if not isinstance(p, Mapping):
-            raise err(path, "expected a mapping")
+    for p in spec.get("ports") or ():
         pname = p.get("name") or ""
-        if not isinstance(pname, str):
-            raise err(f"{path}.name", "not a string")
         proto = p.get("protocol") or "TCP"
-        if proto not in PROTOCOLS:
-            raise err(f"{path}.protocol", f"must be one of {', '.join(PROTOCOLS)}, got {proto!r}")
-        port = _int(p.get("port"), err, f"{path}.port", 1, 65535)
-        node_port = 0
-        if svc_type in ("NodePort", "LoadBalancer") and p.get("nodePort"):
-            node_port = _int(p.get("nodePort"), err, f"{path}.nodePort", 1, 65535)
-        spn = ServicePortName(namespace, name, pname, proto)
-        if (pname, proto) in seen:
-            raise err(f"{path}.name", f"duplicate port {pname or '(unnamed)'}/{proto}")
-        seen.add((pname, proto))
+        node_port = (p.get("nodePort") or 0) if svc_type in ("NodePort", "LoadBalancer") else 0
         ports.append(ServicePort(
-            name=spn, cluster_ip=cluster_ip, port=port, protocol=proto, node_port=node_port,
-            external_ips=external_ips, load_balancer_ips=lb_ips_t,
-            load_balancer_source_ranges=tuple(ranges),
+            name=ServicePortName(namespace, name, pname, proto), cluster_ip=cluster_ip, port=p["port"],
+            protocol=proto, node_port=node_port, external_ips=external_ips, load_balancer_ips=lb_ips,
+            load_balancer_source_ranges=ranges,
             external_policy_local=etp == "Local", internal_policy_local=itp == "Local",
             health_check_node_port=hc_port, session_affinity_seconds=sticky,
         ))
@@ -332,73 +232,40 @@ def parse_service(obj: Mapping[str, Any], proxy_name: str = "") -> Service:
 # --- EndpointSlice -------------------------------------------------------------------
 
 
-def parse_endpoint_slice(obj: Mapping[str, Any], proxy_name: str = "") -> EndpointSlice:
-    namespace, name = _meta(obj, "EndpointSlice")
-    err = _Err("EndpointSlice", f"{namespace}/{name}")
-    labels = _labels(obj)
+def parse_endpoint_slice(obj: Mapping[str, Any], proxy_name: str = "", family: int = 4) -> EndpointSlice:
+    """Parse a discovery.k8s.io/v1 EndpointSlice dict. Raises ValidationError or Skipped
+    (no owning Service, FQDN, or addresses of the IP family this node does not serve)."""
+    f, namespace, name, labels = validate_metadata(obj, "EndpointSlice", dns1123_subdomain)
+    full = f"{namespace}/{name}"
     service = labels.get(SERVICE_NAME_LABEL)
     if not service:
-        raise Skipped(f"EndpointSlice {namespace}/{name}: no {SERVICE_NAME_LABEL} label")
-    address_type = obj.get("addressType") or ""
-    if address_type not in ("IPv4", "IPv6", "FQDN"):
-        raise err("addressType", f"must be IPv4, IPv6 or FQDN, got {address_type!r}")
+        raise Skipped(f"EndpointSlice {full}: no {SERVICE_NAME_LABEL} label")
+    if HEADLESS_LABEL in labels:
+        raise Skipped(f"EndpointSlice {full}: labelled {HEADLESS_LABEL}")
+    address_type = validate_endpoint_slice_body(f, obj)
     if address_type == "FQDN":
-        raise Skipped(f"EndpointSlice {namespace}/{name}: FQDN slices are not proxied")
-    want = 4 if address_type == "IPv4" else 6
-    ports = []
-    for i, p in enumerate(_list(obj.get("ports"), err, "ports")):
-        path = f"ports[{i}]"
-        if not isinstance(p, Mapping):
-            raise err(path, "expected a mapping")
-        proto = p.get("protocol") or "TCP"
-        if proto not in PROTOCOLS:
-            raise err(f"{path}.protocol", f"must be one of {', '.join(PROTOCOLS)}, got {proto!r}")
-        if p.get("port") is None:
-            continue  # upstream ignores ports without a number
-        ports.append(SlicePort(p.get("name") or "", _int(p.get("port"), err, f"{path}.port", 1, 65535), proto))
+        raise Skipped(f"EndpointSlice {full}: FQDN slices are not proxied")
+    if address_type != _family_name(family):
+        raise Skipped(f"EndpointSlice {full}: {address_type}; this node serves {_family_name(family)}")
+    ports = tuple(SlicePort(p.get("name") or "", p["port"], p.get("protocol") or "TCP")
+                  for p in obj.get("ports") or ()
+                  if p.get("port") is not None)  # upstream ignores ports without a number
     endpoints = []
-    for i, ep in enumerate(_list(obj.get("endpoints"), err, "endpoints")):
-        path = f"endpoints[{i}]"
-        if not isinstance(ep, Mapping):
-            raise err(path, "expected a mapping")
-        addrs = []
-        for j, a in enumerate(_list(ep.get("addresses"), err, f"{path}.addresses")):
-            ip = _ip(a, err, f"{path}.addresses[{j}]")
-            if _family(ip) != want:
-                raise err(f"{path}.addresses[{j}]", f"{ip} is not an {address_type} address")
-            addrs.append(ip)
+    for ep in obj.get("endpoints") or ():
         cond = ep.get("conditions") or {}
-        if not isinstance(cond, Mapping):
-            raise err(f"{path}.conditions", "expected a mapping")
-        for key in ("ready", "serving", "terminating"):
-            if cond.get(key) is not None and not isinstance(cond.get(key), bool):
-                raise err(f"{path}.conditions.{key}", f"expected true or false, got {cond.get(key)!r}")
         # Upstream semantics: nil ready means ready; nil serving follows ready.
         ready = cond.get("ready") is None or bool(cond.get("ready"))
         serving = ready if cond.get("serving") is None else bool(cond.get("serving"))
-        terminating = bool(cond.get("terminating"))
-        node_name = ep.get("nodeName") or ""
-        if not isinstance(node_name, str):
-            raise err(f"{path}.nodeName", "not a string")
-        if addrs:
-            # Upstream uses only the first address of an endpoint.
-            endpoints.append(SliceEndpoint((addrs[0],), node_name, ready, serving, terminating))
-    return EndpointSlice(namespace, name, service, address_type, tuple(ports), tuple(endpoints))
+        # Upstream uses only the first address of an endpoint.
+        endpoints.append(SliceEndpoint((str(parse_ip(ep["addresses"][0])),), ep.get("nodeName") or "",
+                                       ready, serving, bool(cond.get("terminating"))))
+    return EndpointSlice(namespace, name, service, address_type, ports, tuple(endpoints))
 
 
 # --- Node ---------------------------------------------------------------------------
 
 
 def parse_node(obj: Mapping[str, Any]) -> Node:
-    name = _meta(obj, "Node")[1]
-    err = _Err("Node", name)
-    spec = obj.get("spec") or {}
-    cidrs = []
-    raw = _list(spec.get("podCIDRs"), err, "spec.podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
-    for i, c in enumerate(raw):
-        try:
-            cidrs.append(str(ipaddress.ip_network(c, strict=False)))
-        except (ValueError, TypeError):
-            raise err(f"spec.podCIDRs[{i}]", f"{c!r} is not a valid CIDR") from None
-    labels = tuple(sorted((str(k), str(v)) for k, v in _labels(obj).items()))
-    return Node(name, tuple(cidrs), labels)
+    f, _ns, name, labels = validate_metadata(obj, "Node", dns1123_subdomain, namespaced=False)
+    cidrs = validate_node_spec(f, obj)
+    return Node(name, tuple(str(c) for c in cidrs), tuple(sorted(labels.items())))

@@ -164,14 +164,28 @@ class KubernetesSource:
             data = json.loads(resp.data)
         finally:
             resp.release_conn()
+        if not isinstance(data, dict):
+            raise ValueError(f"{res.kind} list: expected a JSON object, got {type(data).__name__}")
         items = data.get("items") or []
-        for item in items:
+        if not isinstance(items, list):
+            raise ValueError(f"{res.kind} list: items is not a list")
+        good = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                # One malformed item must not block the whole list (the parsers name
+                # malformed objects; this one has nothing to name it by).
+                self.log(f"rejected {res.kind} list item {i}: not an object")
+                continue
             # Lists omit kind on items; the parsers key on it.
             item.setdefault("kind", res.kind)
+            good.append(item)
+        items = good
         res.stats.lists += 1
         self.on_relist(res.kind, items)
         res.stats.synced.set()
-        return str((data.get("metadata") or {}).get("resourceVersion") or "")
+        meta = data.get("metadata")
+        rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        return rv if isinstance(rv, str) else ""
 
     def _watch(self, res: _Resource) -> None:
         w = _raw_watch()
@@ -182,9 +196,16 @@ class KubernetesSource:
                                   timeout_seconds=int(self.watch_timeout), **res.selector):
                 if self._stop.is_set():
                     break
-                etype = event.get("type")
-                obj = event.get("object") or {}
-                new_rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+                etype = event.get("type") if isinstance(event, dict) else None
+                obj = event.get("object") if isinstance(event, dict) else None
+                if not isinstance(obj, dict):
+                    # Nothing to resume from or to name: skip it rather than fail the watch
+                    # (a reconnect from the same resourceVersion would meet it again).
+                    self.log(f"rejected {res.kind} watch event: its object is not an object")
+                    continue
+                meta = obj.get("metadata")
+                rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+                new_rv = rv if isinstance(rv, str) else ""
                 if etype == "BOOKMARK":
                     res.stats.bookmarks += 1
                 elif etype in ("ADDED", "MODIFIED", "DELETED"):

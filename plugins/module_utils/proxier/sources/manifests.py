@@ -19,6 +19,7 @@ from ..model import (
     parse_node,
     parse_service,
 )
+from ..validation import shown
 
 SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -49,20 +50,21 @@ def _documents(path: str) -> Iterator[Tuple[int, Any]]:
                 yield i, doc
 
 
-def load_objects(objects: List[Tuple[str, Any]], proxy_name: str = "") -> Loaded:
-    """Parse (origin, object) pairs; bad objects are reported and left out."""
+def load_objects(objects: List[Tuple[str, Any]], proxy_name: str = "", family: int = 4) -> Loaded:
+    """Parse (origin, object) pairs; bad objects are reported and left out, objects the
+    proxy does not serve (another IP family, headless, ...) are listed as skipped."""
     out = Loaded()
     for origin, obj in objects:
         kind = obj.get("kind") if isinstance(obj, Mapping) else None
         try:
             if kind == "Service":
-                out.services.append(parse_service(obj, proxy_name))
+                out.services.append(parse_service(obj, proxy_name, family))
             elif kind == "EndpointSlice":
-                out.slices.append(parse_endpoint_slice(obj, proxy_name))
+                out.slices.append(parse_endpoint_slice(obj, proxy_name, family))
             elif kind == "Node":
                 out.nodes.append(parse_node(obj))
             else:
-                out.skipped.append(f"{origin}: kind {kind!r} is not used by the proxy")
+                out.skipped.append(f"{origin}: kind {shown(kind)} is not used by the proxy")
         except ValidationError as e:
             out.errors.append(f"{origin}: {e}")
         except Skipped as e:
@@ -99,8 +101,8 @@ def read_dir(directory: str) -> Tuple[List[Tuple[str, Any]], List[str]]:
     return objects, errors
 
 
-def load_dir(directory: str, proxy_name: str = "") -> Loaded:
+def load_dir(directory: str, proxy_name: str = "", family: int = 4) -> Loaded:
     objects, errors = read_dir(directory)
-    out = load_objects(objects, proxy_name)
+    out = load_objects(objects, proxy_name, family)
     out.errors[:0] = errors
     return out
