@@ -132,6 +132,21 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
     return cfg
 
 
+def _raise_fd_limit() -> None:
+    """Raise the soft open-files limit to the hard one, as Go programs (kube-proxy) do at
+    start: the servers hold one descriptor per client, and 1024 is a common soft default."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass  # keep the limit we have
+
+
 def _log(msg: str) -> None:
     _out(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}")
 
@@ -175,6 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.once:
         from .app import run
 
+        _raise_fd_limit()
         return run(cfg, args, hostname, kernel, log=_log, verbose=args.verbose)
     if not args.manifests:
         _err("error: --once needs --manifests DIR")
