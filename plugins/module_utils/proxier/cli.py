@@ -21,8 +21,18 @@ from .app import build_proxier, served_family
 from .backends.iptables import IptablesConfig
 from .iptables_proxier import IptablesProxier
 from .kernel.iptables import IptablesKernel, KernelError
-from .sources.manifests import load_dir
+from .sources.manifests import DEFAULT_MAX_FILE_BYTES, load_dir
 from .state import ProxyState
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:200]!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodeport-addresses", help="CIDRs (or 'primary') whose local addresses accept NodePorts")
     p.add_argument("--cleanup", action="store_true", help="remove every rule and chain this proxy creates, then exit")
     p.add_argument("--manifests", metavar="DIR", help="static source: a directory of Service/EndpointSlice/Node YAML")
+    p.add_argument("--manifests-max-file-bytes", type=_positive_int, default=DEFAULT_MAX_FILE_BYTES, metavar="BYTES",
+                   help="refuse a manifests file larger than this (default 16 MiB; 10,000 Services take ~6 MB)")
     p.add_argument("--once", action="store_true", help="one sync, then exit (0 on success)")
     p.add_argument("--kubeconfig", help="kubeconfig for the API server (default: the config file's, or in-cluster)")
     p.add_argument("--master", help="API server address, overrides the kubeconfig's")
@@ -53,18 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# A KubeProxyConfiguration is a few KB; anything much larger is not one.
+CONFIG_MAX_BYTES = 1024 * 1024
+
+
+def read_config_file(path: str) -> object:
+    """The config file's one YAML document; ConfigError("(file)") when it cannot be read,
+    is too large, binary (NUL bytes, not UTF-8) or not YAML (strict_yaml's bounds)."""
+    import yaml
+
+    from .strict_yaml import load
+
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:
+        raise kpconfig.ConfigError("(file)", f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > CONFIG_MAX_BYTES:
+        raise kpconfig.ConfigError("(file)", f"{path} is larger than {CONFIG_MAX_BYTES} bytes")
+    if b"\0" in data:
+        raise kpconfig.ConfigError("(file)", f"{path} is binary (a NUL byte at {data.index(bytes(1))}), not YAML")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise kpconfig.ConfigError("(file)", f"{path} is not UTF-8 text (byte {e.start})") from None
+    try:
+        return load(text)
+    except yaml.YAMLError as e:
+        raise kpconfig.ConfigError("(file)", f"cannot parse {path}: {' '.join(str(e).split())}") from None
+
+
 def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
     if args.config:
-        import yaml
-
-        from .strict_yaml import load
-
-        try:
-            with open(args.config, encoding="utf-8") as fh:
-                doc = load(fh)
-        except (OSError, yaml.YAMLError) as e:
-            raise kpconfig.ConfigError("(file)", f"cannot read {args.config}: {e}") from None
-        cfg = kpconfig.parse(doc)
+        cfg = kpconfig.parse(read_config_file(args.config))
     else:
         cfg = kpconfig.ProxyConfig()
     # Flags override the file, as upstream.
@@ -84,20 +117,35 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
     if args.metrics_bind_address is not None:
         cfg.metrics_bind_address = kpconfig.bind_address(args.metrics_bind_address, "--metrics-bind-address")
     if args.iptables_min_sync_period:
-        cfg.min_sync_period = kpconfig.parse_duration(args.iptables_min_sync_period, "--iptables-min-sync-period")
+        cfg.min_sync_period = kpconfig.period(args.iptables_min_sync_period, "--iptables-min-sync-period", zero=True)
     if args.iptables_sync_period:
-        cfg.sync_period = kpconfig.parse_duration(args.iptables_sync_period, "--iptables-sync-period")
+        cfg.sync_period = kpconfig.period(args.iptables_sync_period, "--iptables-sync-period")
     if args.ipvs_scheduler is not None:
         cfg.ipvs.scheduler = kpconfig.ipvs_scheduler(args.ipvs_scheduler, "--ipvs-scheduler")
     if cfg.mode == "ipvs" and args.ipvs_min_sync_period:
-        cfg.min_sync_period = kpconfig.parse_duration(args.ipvs_min_sync_period, "--ipvs-min-sync-period")
+        cfg.min_sync_period = kpconfig.period(args.ipvs_min_sync_period, "--ipvs-min-sync-period", zero=True)
     if cfg.mode == "ipvs" and args.ipvs_sync_period:
-        cfg.sync_period = kpconfig.parse_duration(args.ipvs_sync_period, "--ipvs-sync-period")
+        cfg.sync_period = kpconfig.period(args.ipvs_sync_period, "--ipvs-sync-period")
     if cfg.min_sync_period > cfg.sync_period:
         raise kpconfig.ConfigError("--iptables-min-sync-period", "must not be greater than the sync period")
     if args.nodeport_addresses is not None:
         cfg.node_port_addresses = kpconfig.node_port_addresses(args.nodeport_addresses, "--nodeport-addresses")
     return cfg
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft open-files limit to the hard one, as Go programs (kube-proxy) do at
+    start: the servers hold one descriptor per client, and 1024 is a common soft default."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass  # keep the limit we have
 
 
 def _log(msg: str) -> None:
@@ -143,12 +191,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.once:
         from .app import run
 
+        _raise_fd_limit()
         return run(cfg, args, hostname, kernel, log=_log, verbose=args.verbose)
     if not args.manifests:
         _err("error: --once needs --manifests DIR")
         return 2
 
-    rejected = _reload(state, args.manifests, hostname, served_family(cfg))
+    rejected = _reload(state, args.manifests, hostname, served_family(cfg), args.manifests_max_file_bytes)
     try:
         proxier = build_proxier(cfg, state, args.netns, kernel)
     except RuntimeError as e:
@@ -183,11 +232,12 @@ def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kern
     return 0
 
 
-def _reload(state: ProxyState, directory: str, hostname: str, family: int = 4) -> int:
+def _reload(state: ProxyState, directory: str, hostname: str, family: int = 4,
+            max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> int:
     """Load the manifests; returns how many objects or files were rejected (named on
     stderr). Objects ignored by design (headless, ExternalName, another IP family or
     proxy) are not rejections."""
-    loaded = load_dir(directory, family=family)
+    loaded = load_dir(directory, family=family, max_bytes=max_file_bytes)
     for err in loaded.errors:
         _err(f"rejected: {err}")
     state.replace_all(loaded.services, loaded.slices)

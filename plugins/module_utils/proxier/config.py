@@ -9,7 +9,9 @@ upstream but do not apply to this proxy are accepted and ignored (listed in IGNO
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -21,6 +23,9 @@ DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNa
 
 class ConfigError(ValueError):
     def __init__(self, path: str, problem: str) -> None:
+        path = str(path)
+        if len(path) > 200:  # a field path built from hostile keys
+            path = path[:197] + "..."
         self.path = path
         super().__init__(f"KubeProxyConfiguration: {path}: {problem}")
 
@@ -74,30 +79,61 @@ class ProxyConfig:
     ignored: List[str] = field(default_factory=list)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 160
+_REPR.maxlevel = 3
+MAX_SHOWN = 200  # characters of a value echoed in a message
+
+
+def show(value: Any) -> str:
+    """A value for a message: repr bounded in size and cost (reprlib never walks a huge
+    tree), at most MAX_SHOWN characters."""
+    text = _REPR.repr(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
+# time.Duration's range: a larger value does not parse in Go either.
+MAX_DURATION = float(2 ** 63 - 1) / 1e9
+
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(value: Any, path: str) -> float:
-    """A Go duration string ("1m30s", "500ms", "0s") in seconds."""
+    """A Go duration string ("1m30s", "500ms", "0s") in seconds (a number is seconds)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(path, f"expected a duration like '30s', got {value!r}")
-    pos, total = 0, 0.0
-    for m in _DURATION.finditer(value):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNIT[m.group(2)]
-        pos = m.end()
-    if pos != len(value) and value != "0":
-        raise ConfigError(path, f"{value!r} is not a duration (examples: 30s, 1m0s, 500ms)")
+        try:
+            total = float(value)
+        except OverflowError:
+            total = math.inf
+    elif not isinstance(value, str) or not value:
+        raise ConfigError(path, f"expected a duration like '30s', got {show(value)}")
+    else:
+        pos, total = 0, 0.0
+        for m in _DURATION.finditer(value):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _UNIT[m.group(2)]
+            pos = m.end()
+        if pos != len(value) and value != "0":
+            raise ConfigError(path, f"{show(value)} is not a duration (examples: 30s, 1m0s, 500ms)")
+    if not -MAX_DURATION <= total <= MAX_DURATION:  # also NaN
+        raise ConfigError(path, f"{show(value)} is out of range")
     return total
+
+
+def period(value: Any, path: str, zero: bool = False) -> float:
+    """A duration that must be positive (upstream's validation of syncPeriod and
+    configSyncPeriod), or with ``zero`` at least 0 (minSyncPeriod, timeouts)."""
+    seconds = parse_duration(value, path)
+    if seconds < 0 or (seconds == 0 and not zero):
+        raise ConfigError(path, f"must be greater than {'or equal to ' if zero else ''}0, got {show(value)}")
+    return seconds
 
 
 def _expect(obj: Any, path: str, kind: type) -> Any:
     if not isinstance(obj, kind) or (kind is int and isinstance(obj, bool)):
-        raise ConfigError(path, f"expected {kind.__name__}, got {type(obj).__name__} {obj!r}")
+        raise ConfigError(path, f"expected {kind.__name__}, got {type(obj).__name__} {show(obj)}")
     return obj
 
 
@@ -113,7 +149,8 @@ def _cidrs(value: Any, path: str) -> Tuple[str, ...]:
         try:
             out.append(str(ipaddress.ip_network(c, strict=False)))
         except ValueError:
-            raise ConfigError(f"{path}[{i}]" if isinstance(value, list) else path, f"{c!r} is not a CIDR") from None
+            raise ConfigError(f"{path}[{i}]" if isinstance(value, list) else path,
+                              f"{show(c)} is not a CIDR") from None
     return tuple(out)
 
 
@@ -141,11 +178,12 @@ IGNORED = {
 
 def parse(doc: Mapping[str, Any]) -> ProxyConfig:
     if not isinstance(doc, Mapping):
-        raise ConfigError("(document)", "expected a mapping")
+        what = "an empty document" if doc is None else f"a {type(doc).__name__}"
+        raise ConfigError("(document)", f"expected a mapping, got {what}")
     if doc.get("apiVersion") != API_VERSION:
-        raise ConfigError("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}")
+        raise ConfigError("apiVersion", f"must be {API_VERSION}, got {show(doc.get('apiVersion'))}")
     if doc.get("kind") != KIND:
-        raise ConfigError("kind", f"must be {KIND}, got {doc.get('kind')!r}")
+        raise ConfigError("kind", f"must be {KIND}, got {show(doc.get('kind'))}")
     cfg = ProxyConfig()
     handlers = {
         "apiVersion": None, "kind": None,
@@ -154,14 +192,14 @@ def parse(doc: Mapping[str, Any]) -> ProxyConfig:
         "nodePortAddresses": _npa, "healthzBindAddress": _addr("healthz_bind_address"),
         "metricsBindAddress": _addr("metrics_bind_address"), "iptables": _iptables,
         "clientConnection": _client, "conntrack": _conntrack, "configSyncPeriod": _dur("config_sync_period"),
-        "syncPeriod": _dur("sync_period"), "minSyncPeriod": _dur("min_sync_period"), "ipvs": _ipvs,
+        "syncPeriod": _dur("sync_period"), "minSyncPeriod": _dur("min_sync_period", zero=True), "ipvs": _ipvs,
     }
     for key, value in doc.items():
         if key in IGNORED:
             cfg.ignored.append(key)
             continue
-        if key not in handlers:
-            raise ConfigError(key, "unknown field")
+        if not isinstance(key, str) or key not in handlers:
+            raise ConfigError(key if isinstance(key, str) else show(key), "unknown field")
         h = handlers[key]
         if h is not None:
             h(cfg, value, key)
@@ -190,7 +228,7 @@ def apply_mode_sync_periods(cfg: ProxyConfig) -> None:
 def _mode(cfg: ProxyConfig, v: Any, path: str) -> None:
     v = v or "iptables"
     if v not in MODES:
-        raise ConfigError(path, f"must be one of {', '.join(MODES)}, got {v!r}")
+        raise ConfigError(path, f"must be one of {', '.join(MODES)}, got {show(v)}")
     cfg.mode = v
 
 
@@ -206,11 +244,11 @@ def bind_address(v: Any, path: str) -> str:
     if v:
         host, sep, port = v.rpartition(":")
         if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(path, f"{v!r} must be host:port")
+            raise ConfigError(path, f"{show(v)} must be host:port")
         try:
             ipaddress.ip_address(host.strip("[]"))
         except ValueError:
-            raise ConfigError(path, f"{host!r} is not an IP address") from None
+            raise ConfigError(path, f"{show(host)} is not an IP address") from None
     return v
 
 
@@ -220,9 +258,9 @@ def _addr(attr: str):
     return h
 
 
-def _dur(attr: str):
+def _dur(attr: str, zero: bool = False):
     def h(cfg: ProxyConfig, v: Any, path: str) -> None:
-        setattr(cfg, attr, parse_duration(v, path))
+        setattr(cfg, attr, period(v, path, zero))
     return h
 
 
@@ -233,7 +271,7 @@ def _cluster_cidr(cfg: ProxyConfig, v: Any, path: str) -> None:
 def _detect_mode(cfg: ProxyConfig, v: Any, path: str) -> None:
     v = v or "ClusterCIDR"
     if v not in DETECT_LOCAL_MODES:
-        raise ConfigError(path, f"must be one of {', '.join(DETECT_LOCAL_MODES)}, got {v!r}")
+        raise ConfigError(path, f"must be one of {', '.join(DETECT_LOCAL_MODES)}, got {show(v)}")
     cfg.detect_local_mode = v
 
 
@@ -269,9 +307,9 @@ def _iptables(cfg: ProxyConfig, v: Any, path: str) -> None:
             if val is not None:
                 cfg.localhost_nodeports = _expect(val, p, bool)
         elif key == "syncPeriod":
-            cfg.sync_period = parse_duration(val, p)
+            cfg.sync_period = period(val, p)
         elif key == "minSyncPeriod":
-            cfg.min_sync_period = parse_duration(val, p)
+            cfg.min_sync_period = period(val, p, zero=True)
         else:
             raise ConfigError(p, "unknown field")
 
@@ -283,7 +321,7 @@ IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed",
 def ipvs_scheduler(value: Any, path: str) -> str:
     value = _expect(value or "", path, str)
     if value and value not in IPVS_SCHEDULERS:
-        raise ConfigError(path, f"unknown IPVS scheduler {value!r} (one of {', '.join(IPVS_SCHEDULERS)})")
+        raise ConfigError(path, f"unknown IPVS scheduler {show(value)} (one of {', '.join(IPVS_SCHEDULERS)})")
     return value
 
 
@@ -337,7 +375,7 @@ def _conntrack(cfg: ProxyConfig, v: Any, path: str) -> None:
         elif key in ("tcpEstablishedTimeout", "tcpCloseWaitTimeout", "udpTimeout", "udpStreamTimeout"):
             attr = {"tcpEstablishedTimeout": "tcp_established_timeout", "tcpCloseWaitTimeout": "tcp_close_wait_timeout",
                     "udpTimeout": "udp_timeout", "udpStreamTimeout": "udp_stream_timeout"}[key]
-            setattr(ct, attr, None if val is None else parse_duration(val, p))
+            setattr(ct, attr, None if val is None else period(val, p, zero=True))
         else:
             raise ConfigError(p, "unknown field")
 

@@ -232,8 +232,11 @@ class ManifestsWatcher:
     reload, handed to the daemon as a relist of every kind."""
 
     def __init__(self, directory: str, on_relist: Callable[[str, List[Dict[str, Any]]], None], log: LogFn,
-                 interval: float = 1.0) -> None:
+                 interval: float = 1.0, max_file_bytes: Optional[int] = None) -> None:
+        from .sources.manifests import DEFAULT_MAX_FILE_BYTES
+
         self.directory = directory
+        self.max_file_bytes = DEFAULT_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes
         self.on_relist = on_relist
         self.log = log
         self.interval = interval
@@ -262,7 +265,7 @@ class ManifestsWatcher:
         if fp == self._fingerprint:
             return False
         self._fingerprint = fp
-        from .sources.manifests import manifest_files, read_file
+        from .sources.manifests import manifest_files, read_file_checked
 
         # A file that stops parsing (a typo, an editor's half-written save) keeps the
         # objects it last had: dropping them would delete its services from the node.
@@ -271,7 +274,8 @@ class ManifestsWatcher:
         good: Dict[str, List[Tuple[str, Any]]] = {}
         for path in manifest_files(self.directory):
             try:
-                good[path] = read_file(path)
+                good[path], rejected = read_file_checked(path, self.max_file_bytes)
+                errors.extend(rejected)  # documents that are not objects: named, the rest of the file loads
             except Exception as e:
                 kept = self._last_good.get(path)
                 errors.append(f"{path}: cannot parse: {e}; "

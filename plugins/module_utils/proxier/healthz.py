@@ -40,13 +40,11 @@ from __future__ import annotations
 import json
 import selectors
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 from urllib.parse import urlsplit
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -98,82 +96,73 @@ def join_host_port(host: str, port: int) -> str:
 
 
 # --- the HTTP plumbing shared by every server here and in healthcheck.py --------------
+#
+# One thread per listener runs a selector loop over the listener and its connections (no
+# thread per connection): idle or slow clients cost a file descriptor and a small buffer,
+# and are bounded in number, in header size and in time, so that 600 idle connections (or
+# a slowloris) neither exhaust threads nor keep /healthz from answering.
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    timeout = 10  # seconds for a client to send its request / take the answer
-
-    def send_response(self, code: int, message: Optional[str] = None) -> None:
-        # Like Go's net/http: a Date header but no Server header.
-        self.send_response_only(code, message)
-        self.send_header("Date", self.date_time_string())
-
-    def _dispatch(self) -> None:
-        path = urlsplit(self.path).path or "/"
-        try:
-            status, headers, body = self.server.app(self.command, path)
-        except Exception as e:  # never let a handler bug kill the connection silently
-            self.server.log(f"{self.server.name}: error answering {self.command} {path}: {e!r}")
-            status, headers, body = 500, TEXT_HEADERS, b"internal error\n"
-        self.send_response(status)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _dispatch
-
-    def log_message(self, format: str, *args: Any) -> None:  # silence the per-request stderr lines
-        pass
+MAX_CONNECTIONS = 1024  # per listener; beyond, the oldest connection still sending its request is dropped
+MAX_HEADER_BYTES = 16 * 1024  # request line and headers; a probe sends ~200 bytes
+REQUEST_TIMEOUT = 10.0  # seconds from accept to the end of the headers
+WRITE_TIMEOUT = 10.0  # seconds for a client to take the answer
+_SWEEP_INTERVAL = 0.25  # how often deadlines are checked while connections are open
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False  # HTTPServerThread joins the request threads itself, with a deadline
+def _http_date() -> str:
+    from email.utils import formatdate
 
-    def __init__(self, host: str, port: int, app: App, name: str, log: LogFn) -> None:
-        self.app = app
-        self.name = name
-        self.log = log
-        self.active: Set[threading.Thread] = set()
-        self.active_lock = threading.Lock()
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        self.address_family = infos[0][0]
-        super().__init__((host, port), _Handler)
+    return formatdate(usegmt=True)  # as BaseHTTPRequestHandler.date_time_string
 
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind would resolve the host name (getfqdn): slow, and unused.
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Go's listeners do
-        self.socket.bind(self.server_address)
-        self.server_address = self.socket.getsockname()
-        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        t = threading.Thread(target=self._run_request, args=(request, client_address),
-                             name=f"{self.name}-request", daemon=True)
-        with self.active_lock:
-            self.active.add(t)
-        t.start()
+def _reason(code: int) -> str:
+    from http import HTTPStatus
 
-    def _run_request(self, request: Any, client_address: Any) -> None:
-        try:
-            self.process_request_thread(request, client_address)
-        finally:
-            with self.active_lock:
-                self.active.discard(threading.current_thread())
+    try:
+        return HTTPStatus(code).phrase
+    except ValueError:
+        return ""
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        err = sys.exc_info()[1]
-        if not isinstance(err, (ConnectionError, TimeoutError)):
-            self.log(f"{self.name}: error serving {client_address}: {err!r}")
+
+def render_response(status: int, headers: Headers, body: bytes, head: bool = False) -> bytes:
+    """HTTP/1.0 answer: a Date header, no Server header (as Go's net/http), the body's length."""
+    lines = [f"HTTP/1.0 {status} {_reason(status)}", f"Date: {_http_date()}"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1") + (b"" if head else body)
+
+
+def _error(status: int, text: str) -> bytes:
+    return render_response(status, TEXT_HEADERS, text.encode() + b"\n")
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "buf", "out", "deadline")
+
+    def __init__(self, sock: socket.socket, peer: Any, now: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.buf = b""
+        self.out: Optional[bytes] = None  # the answer once the request is read
+        self.deadline = now + REQUEST_TIMEOUT
+
+
+def parse_request(head: bytes) -> Tuple[Optional[Tuple[str, str]], bytes]:
+    """(method, path) of a request head (the bytes before the blank line), or None and
+    the error answer. Headers are not used by these servers: only their size is checked."""
+    line = head.split(b"\n", 1)[0].rstrip(b"\r")
+    parts = line.split()
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/") or not parts[0].isalpha():
+        return None, _error(400, "400 Bad Request")
+    method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
+    return (method, urlsplit(target).path or "/"), b""
 
 
 class HTTPServerThread:
-    """One listening socket and its accept thread. ``start()`` binds (raising OSError
-    when it cannot); ``close()`` stops accepting and closes the socket at once (no poll
-    interval to wait for); ``join()`` waits a bounded time for requests in flight."""
+    """One listening socket and its serving thread. ``start()`` binds (raising OSError
+    when it cannot); ``close()`` closes the listener at once (the port is free when it
+    returns) and returns the serving thread, which drops its connections and ends;
+    ``join()`` waits a bounded time for such threads."""
 
     def __init__(self, host: str, port: int, app: App, name: str, log: Optional[LogFn] = None) -> None:
         self.host = host
@@ -181,71 +170,198 @@ class HTTPServerThread:
         self.app = app
         self.name = name
         self.log: LogFn = log or (lambda msg: None)
-        self._server: Optional[_Server] = None
+        self._listener: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._wake: Optional[Tuple[socket.socket, socket.socket]] = None
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.connections = 0  # open now (for tests and metrics)
+        self.dropped = 0  # connections closed for a limit: count, size or time
 
     @property
     def running(self) -> bool:
-        return self._server is not None
+        return self._listener is not None
 
     @property
     def address(self) -> str:
         """The bound host:port once started (port 0 resolved), else the configured one."""
-        if self._server is not None:
-            host, port = self._server.server_address[:2]
-            return join_host_port(str(host), int(port))
+        listener = self._listener
+        if listener is not None:
+            try:
+                host, port = listener.getsockname()[:2]
+                return join_host_port(str(host), int(port))
+            except OSError:
+                pass
         return join_host_port(self.host, self.port)
 
     def start(self) -> None:
-        if self._server is not None:
+        if self._listener is not None:
             return
-        server = _Server(self.host, self.port, self.app, self.name, self.log)
+        infos = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family = infos[0][0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            server.socket.setblocking(False)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Go's listeners do
+            listener.bind((self.host, self.port))
+            listener.listen(socket.SOMAXCONN)
+            listener.setblocking(False)
             wake = socket.socketpair()
         except OSError:
-            server.server_close()
+            listener.close()
             raise
-        self._server, self._wake = server, wake
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+        for w in wake:
+            w.setblocking(False)
+        self._listener, self._wake = listener, wake
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(listener, wake, self._stopping),
+                                        name=self.name, daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
-        server, wake = self._server, self._wake
-        if server is None or wake is None:
-            raise RuntimeError("HTTP server thread started before its socket was bound")
-        with selectors.DefaultSelector() as sel:
-            sel.register(server.socket, selectors.EVENT_READ, "accept")
+    def _serve(self, listener: socket.socket, wake: Tuple[socket.socket, socket.socket],
+               stopping: threading.Event) -> None:
+        conns: Dict[socket.socket, _Conn] = {}  # in accept order (oldest first)
+        sel = selectors.DefaultSelector()
+        try:
+            sel.register(listener, selectors.EVENT_READ, None)
             sel.register(wake[0], selectors.EVENT_READ, "wake")
-            while not self._stopping.is_set():
-                for key, _unused in sel.select():
-                    if key.data == "wake" or self._stopping.is_set():
+            next_sweep = time.monotonic() + _SWEEP_INTERVAL
+            while not stopping.is_set():
+                timeout = max(0.0, next_sweep - time.monotonic()) if conns else None
+                for key, _mask in sel.select(timeout):
+                    if key.data == "wake" or stopping.is_set():
                         return
-                    server._handle_request_noblock()  # accept (non-blocking) and hand to a thread
+                    if key.data is None:
+                        if not self._accept(listener, sel, conns):
+                            return  # the listener was closed under us: close() is under way
+                    else:
+                        self._service(key.data, sel, conns)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + _SWEEP_INTERVAL
+                    for conn in [c for c in conns.values() if c.deadline <= now]:
+                        self.dropped += 1
+                        self._drop(conn, sel, conns)
+        except Exception as e:  # never silently: the port would stay open with nobody answering
+            self.log(f"{self.name}: server loop failed: {e!r}")
+        finally:
+            for conn in list(conns.values()):
+                self._drop(conn, sel, conns)
+            sel.close()
+            for w in wake:
+                w.close()
+
+    def _accept(self, listener: socket.socket, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> bool:
+        for _unused in range(64):  # a batch, then let the other connections be served
+            try:
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except ConnectionAbortedError:
+                continue
+            except OSError as e:
+                if listener.fileno() < 0:
+                    return False
+                self.log(f"{self.name}: accept failed: {e.strerror or e}")  # e.g. EMFILE: retried on the next event
+                time.sleep(0.05)
+                return True
+            sock.setblocking(False)
+            if len(conns) >= MAX_CONNECTIONS:
+                # Full: drop the oldest connection that has not finished its request (an
+                # idle or slow client), so a flood of them cannot lock out the probes.
+                victim = next((c for c in conns.values() if c.out is None), None)
+                self.dropped += 1
+                if victim is None:
+                    sock.close()
+                    continue
+                self._drop(victim, sel, conns)
+            conn = _Conn(sock, peer, time.monotonic())
+            conns[sock] = conn
+            self.connections = len(conns)
+            sel.register(sock, selectors.EVENT_READ, conn)
+        return True
+
+    def _service(self, conn: _Conn, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
+        if conn.out is None:
+            try:
+                data = conn.sock.recv(8192)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._drop(conn, sel, conns)
+                return
+            conn.buf += data
+            end = conn.buf.find(b"\r\n\r\n")
+            if end < 0:
+                end = conn.buf.find(b"\n\n")
+            if end < 0 or end > MAX_HEADER_BYTES:
+                if len(conn.buf) > MAX_HEADER_BYTES:
+                    self.dropped += 1
+                    self._answer(conn, _error(431, "431 Request Header Fields Too Large"), sel, conns)
+                return
+            request, error = parse_request(conn.buf[:end])
+            conn.buf = b""
+            self._answer(conn, self._respond(*request) if request else error, sel, conns)
+            return
+        self._write(conn, sel, conns)
+
+    def _respond(self, method: str, path: str) -> bytes:
+        try:
+            status, headers, body = self.app(method, path)
+        except Exception as e:  # a handler bug answers 500, the server goes on
+            self.log(f"{self.name}: error answering {method} {path[:200]}: {e!r}")
+            status, headers, body = 500, TEXT_HEADERS, b"internal error\n"
+        return render_response(status, headers, body, head=method == "HEAD")
+
+    def _answer(self, conn: _Conn, out: bytes, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
+        conn.out = out
+        conn.deadline = time.monotonic() + WRITE_TIMEOUT
+        sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._write(conn, sel, conns)
+
+    def _write(self, conn: _Conn, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
+        try:
+            sent = conn.sock.send(conn.out or b"")
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn, sel, conns)
+            return
+        conn.out = (conn.out or b"")[sent:]
+        if not conn.out:
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+                conn.sock.recv(65536)  # unread request bytes would turn the close into a reset
+            except OSError:
+                pass
+            self._drop(conn, sel, conns)
+
+    def _drop(self, conn: _Conn, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
+        conns.pop(conn.sock, None)
+        self.connections = len(conns)
+        try:
+            sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
 
     def close(self) -> List[threading.Thread]:
-        """Stop accepting and close the listener; returns the requests still in flight."""
-        server, thread, wake = self._server, self._thread, self._wake
-        if server is None:
-            return []
-        self._stopping.set()
+        """Stop accepting and close the listener; returns the serving thread (still
+        dropping its connections) for join()."""
+        with self._lock:
+            listener, thread, wake = self._listener, self._thread, self._wake
+            if listener is None:
+                return []
+            self._listener = self._thread = self._wake = None
+            self._stopping.set()
         if wake is not None:
             try:
                 wake[1].send(b"x")
             except OSError:
                 pass
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5)
-        server.server_close()
-        if wake is not None:
-            wake[0].close()
-            wake[1].close()
-        self._server = self._thread = self._wake = None
-        with server.active_lock:
-            return list(server.active)
+        listener.close()  # the port is free now, even if the loop has not noticed yet
+        return [thread] if thread is not None and thread is not threading.current_thread() else []
 
     @staticmethod
     def join(threads: List[threading.Thread], timeout: float = 5.0) -> None:

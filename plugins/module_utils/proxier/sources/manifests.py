@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 from ..model import (
     EndpointSlice,
@@ -36,18 +36,66 @@ class Loaded:
         return next((n for n in self.nodes if n.name == name), None)
 
 
-def _documents(path: str) -> Iterator[Tuple[int, Any]]:
-    from ..strict_yaml import load_all
+# One file of 10,000 Services is about 6 MB; a bigger file is refused unread.
+DEFAULT_MAX_FILE_BYTES = 16 * 1024 * 1024
 
-    with open(path, encoding="utf-8") as fh:
-        for i, doc in enumerate(load_all(fh)):
-            if isinstance(doc, Mapping) and doc.get("kind") == "List" or (
-                isinstance(doc, Mapping) and str(doc.get("kind", "")).endswith("List") and "items" in doc
-            ):
-                for item in doc.get("items") or []:
-                    yield i, item
-            elif doc is not None:
-                yield i, doc
+
+def _what(value: Any) -> str:
+    """What a non-object document is, without echoing it (it may be huge or hostile)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def read_text(path: str, max_bytes: int) -> str:
+    """A file's text, refused (ValueError naming the file's problem) when it is larger than
+    ``max_bytes`` or not UTF-8. Reads at most ``max_bytes + 1`` bytes, whatever the size."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            raise ValueError(f"{size} bytes, more than the limit of {max_bytes} (--manifests-max-file-bytes)")
+        data = fh.read(max_bytes + 1)  # the file may grow between the stat and the read
+    if len(data) > max_bytes:
+        raise ValueError(f"more than the limit of {max_bytes} bytes (--manifests-max-file-bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+
+
+def _documents(path: str, max_bytes: int) -> Tuple[List[Tuple[str, Any]], List[str]]:
+    from ..strict_yaml import load_all_list
+
+    objects: List[Tuple[str, Any]] = []
+    errors: List[str] = []
+    for i, doc in enumerate(load_all_list(read_text(path, max_bytes))):
+        origin = f"{path}#{i}"
+        if doc is None:  # an empty document (a trailing "---"): nothing, as kubectl
+            continue
+        if not isinstance(doc, Mapping):
+            errors.append(f"{origin}: the document is {_what(doc)}, not an object")
+            continue
+        if doc.get("kind") == "List" or str(doc.get("kind", "")).endswith("List") and "items" in doc:
+            items = doc.get("items")
+            if items is None:
+                continue
+            if not isinstance(items, list):
+                errors.append(f"{origin}: items: expected a list, got {_what(items)}")
+                continue
+            for j, item in enumerate(items):
+                if isinstance(item, Mapping):
+                    objects.append((origin, item))
+                else:
+                    errors.append(f"{origin}: items[{j}]: expected an object, got {_what(item)}")
+            continue
+        objects.append((origin, doc))
+    return objects, errors
 
 
 def load_objects(objects: List[Tuple[str, Any]], proxy_name: str = "", family: int = 4) -> Loaded:
@@ -84,25 +132,37 @@ def manifest_files(directory: str) -> List[str]:
     return paths
 
 
-def read_file(path: str) -> List[Tuple[str, Any]]:
-    """One file's documents as (origin, object); raises on a syntax error or a repeated key."""
-    return [(f"{path}#{i}", doc) for i, doc in _documents(path)]
+def read_file_checked(path: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Tuple[List[Tuple[str, Any]], List[str]]:
+    """One file's objects as (origin, object), and its rejected documents (a list, a
+    string, ... where an object belongs), each named ``file#index``. Raises (naming the
+    problem) when the file is too large, not UTF-8, or not YAML within strict_yaml's bounds."""
+    return _documents(path, max_bytes)
 
 
-def read_dir(directory: str) -> Tuple[List[Tuple[str, Any]], List[str]]:
+def read_file(path: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> List[Tuple[str, Any]]:
+    """One file's objects as (origin, object); raises as read_file_checked. Rejected
+    documents are left out: use read_file_checked to report them."""
+    return _documents(path, max_bytes)[0]
+
+
+def read_dir(directory: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Tuple[List[Tuple[str, Any]], List[str]]:
     """Every document under ``directory`` as (origin, object), and per-file errors."""
     objects: List[Tuple[str, Any]] = []
     errors: List[str] = []
     for path in manifest_files(directory):
         try:
-            objects.extend(read_file(path))
+            found, rejected = read_file_checked(path, max_bytes)
         except Exception as e:  # a YAML syntax error names the file; other files still load
             errors.append(f"{path}: cannot parse: {e}")
+            continue
+        objects.extend(found)
+        errors.extend(rejected)
     return objects, errors
 
 
-def load_dir(directory: str, proxy_name: str = "", family: int = 4) -> Loaded:
-    objects, errors = read_dir(directory)
+def load_dir(directory: str, proxy_name: str = "", family: int = 4,
+             max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Loaded:
+    objects, errors = read_dir(directory, max_bytes)
     out = load_objects(objects, proxy_name, family)
     out.errors[:0] = errors
     return out
