@@ -20,7 +20,7 @@ from .healthz import MetricsServer, ProxyHealthServer, health_timeout
 from .iptables_proxier import IptablesProxier, SyncResult
 from .kernel.addresses import local_addresses, match_node_port_addresses
 from .kernel.conntrack import ConntrackCleaner, ServiceTarget
-from .kernel.iptables import IptablesKernel
+from .kernel.iptables import IptablesKernel, RestoreError
 from .metrics import ProxyMetrics
 from .state import ProxyState
 
@@ -81,7 +81,8 @@ class NodeHooks(Hooks):
         self.metrics = ProxyMetrics()
         self.health = ProxyHealthServer(cfg.healthz_bind_address or "127.0.0.1:0", health_timeout(cfg.sync_period),
                                         metrics=self.metrics, log=log)
-        self.metrics_server = MetricsServer(cfg.metrics_bind_address or "127.0.0.1:0", self.metrics, log=log)
+        self.metrics_server = MetricsServer(cfg.metrics_bind_address or "127.0.0.1:0", self.metrics,
+                                            proxy_mode=cfg.mode, log=log)
         # Health check node ports are probed by the external load balancer, so like
         # NodePorts they listen on the NodePort addresses (all addresses by default).
         bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and list(proxier.cfg.node_port_ips)
@@ -143,9 +144,11 @@ class NodeHooks(Hooks):
         # has lasted the health timeout.
         self.health.queued_update()
         self.metrics.sync_failures_total.inc()
-        self.metrics.iptables_restore_failures_total.inc()
-        if not self.proxier.last_attempt_full:
-            self.metrics.iptables_partial_restore_failures_total.inc()
+        # Upstream counts iptables-restore failures only (IPVS and ipset errors are not).
+        if iptables_restore_failed(error):
+            self.metrics.iptables_restore_failures_total.inc()
+            if not self.proxier.last_attempt_full:
+                self.metrics.iptables_partial_restore_failures_total.inc()
 
     def _health_checks(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -178,6 +181,11 @@ class NodeHooks(Hooks):
         if result.deleted or result.errors:
             self.log(f"conntrack: removed {result.deleted} stale UDP/SCTP flows in {result.seconds * 1000:.0f} ms"
                      + (f"; errors: {'; '.join(result.errors[:3])}" if result.errors else ""))
+
+
+def iptables_restore_failed(error: BaseException) -> bool:
+    """Whether a failed sync failed (also) in an iptables-restore."""
+    return isinstance(error, RestoreError) or bool(getattr(error, "iptables_restore_failed", False))
 
 
 def _has_pyroute2() -> bool:
