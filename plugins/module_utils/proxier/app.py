@@ -17,7 +17,7 @@ from .daemon import Daemon, Hooks, ManifestsWatcher
 from .endpoints import categorize
 from .healthcheck import HealthCheckServers
 from .healthz import MetricsServer, ProxyHealthServer, health_timeout
-from .iptables_proxier import IptablesProxier, SyncResult
+from .iptables_proxier import IptablesProxier, SyncResult, ensure_route_localnet
 from .kernel.addresses import local_addresses, match_node_port_addresses
 from .kernel.conntrack import ConntrackCleaner, ServiceTarget
 from .kernel.iptables import IptablesKernel, RestoreError
@@ -58,14 +58,19 @@ def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> 
     return ipt
 
 
-def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> Any:
-    """IptablesProxier, or IpvsProxier in IPVS mode (same interface)."""
+def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel,
+                  log: Optional[LogFn] = None) -> Any:
+    """IptablesProxier, or IpvsProxier in IPVS mode (same interface). Like upstream's
+    NewProxier, iptables mode sets route_localnet for localhost NodePorts (RuntimeError if
+    it cannot)."""
     if cfg.mode == "ipvs":
         from .ipvs_proxier import IpvsProxier
 
         return IpvsProxier(state, proxier_config(cfg, state, netns), kernel, netns,
                            refresh=lambda: proxier_config(cfg, state, netns))
-    return IptablesProxier(state, iptables_config(cfg, state, netns), kernel)
+    ipt_cfg = iptables_config(cfg, state, netns)
+    ensure_route_localnet(ipt_cfg, netns, log or (lambda msg: None))
+    return IptablesProxier(state, ipt_cfg, kernel)
 
 
 class NodeHooks(Hooks):
@@ -212,7 +217,11 @@ def udp_targets(state: ProxyState, key: str) -> List[ServiceTarget]:
 def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKernel, log: LogFn,
         verbose: bool = False, stop: Optional[threading.Event] = None) -> int:
     state = ProxyState(hostname)
-    proxier = build_proxier(cfg, state, args.netns, kernel)
+    try:
+        proxier = build_proxier(cfg, state, args.netns, kernel, log)
+    except RuntimeError as e:
+        log(f"error: cannot start the {cfg.mode} proxier: {e}")
+        return 1
     hooks = NodeHooks(cfg, state, proxier, args.netns, log)
     daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks)
     hooks.pending = daemon.has_pending
