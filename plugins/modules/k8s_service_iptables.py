@@ -161,7 +161,10 @@ options:
     type: int
     default: 14
   localhost_nodeports:
-    description: Accept NodePort connections on 127.0.0.1 (needs C(route_localnet)).
+    description:
+      - Accept NodePort connections on 127.0.0.1.
+      - As kube-proxy does, the module then sets C(net.ipv4.conf.all.route_localnet=1) (when the
+        service has an IPv4 NodePort and O(state=present)); the change is reported in RV(sysctls).
     type: bool
     default: true
   iptables_binary:
@@ -223,6 +226,11 @@ restore_input:
   description: The iptables-restore input that was (or in check mode would be) applied.
   returned: always
   type: str
+sysctls:
+  description: Sysctls that were (or in check mode would be) changed, as C(old -> new).
+  returned: always
+  type: dict
+  sample: {"net.ipv4.conf.all.route_localnet": "0 -> 1"}
 """
 
 import traceback
@@ -232,6 +240,7 @@ from ansible.module_utils.basic import AnsibleModule
 try:
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_service import plan_service
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import sysctl
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.addresses import local_addresses
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
         IptablesKernel,
@@ -372,12 +381,25 @@ class ServiceIptables(object):
                               local_mode="ClusterCIDR", local_cidrs=cidrs,
                               localhost_nodeports=p["localhost_nodeports"], node_ips=tuple(addresses))
 
+    def _route_localnet(self, service):
+        """As kube-proxy: localhost NodePorts need route_localnet=1 (set before the rules)."""
+        p = self.params
+        if p["state"] != "present" or not p["localhost_nodeports"]:
+            return {}
+        if not any(sp.node_port and ":" not in sp.cluster_ip for sp in service.ports):
+            return {}
+        try:
+            return sysctl.ensure({sysctl.ROUTE_LOCALNET: 1}, check=self.module.check_mode)
+        except sysctl.SysctlError as e:
+            self.module.fail_json(msg="cannot enable localhost NodePorts: %s (or set localhost_nodeports=false)" % e)
+
     def run(self):
         service, slices = self._service()
         state = ProxyState(self.params["node_name"] or "")
         state.set_service(service)
         for sl in slices:
             state.set_slice(sl)
+        sysctls = self._route_localnet(service)
         try:
             snapshot = self.kernel.snapshot()
             sp = plan_service(snapshot, service, state, self._config(), self.params["state"] == "present")
@@ -387,8 +409,8 @@ class ServiceIptables(object):
         except KernelError as e:
             self.module.fail_json(msg=str(e))
         result = dict(
-            changed=not sp.plan.empty, chains=sp.chains, rule_counts=sp.rule_counts,
-            changes=sp.plan.changes, restore_input=text,
+            changed=not sp.plan.empty or bool(sysctls), chains=sp.chains, rule_counts=sp.rule_counts,
+            changes=sp.plan.changes, restore_input=text, sysctls=sysctls,
         )
         if self.module._diff:
             result["diff"] = sp.diff()

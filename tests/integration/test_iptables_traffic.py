@@ -165,15 +165,20 @@ def test_endpoint_change_takes_effect(cluster):
     assert len(stale) == 1  # the removed endpoints' chains are gone
 
 
-def test_localhost_nodeport_with_route_localnet(tmp_path):
+def test_localhost_nodeport_without_route_localnet_preset(tmp_path):
+    # The lab leaves route_localnet at 0: the proxy sets it itself, as upstream's proxier
+    # (more cases: test_localhost_nodeports.py).
     from lab import Lab
 
-    with Lab(route_localnet=True) as lab:
+    with Lab() as lab:
         lab.add_pod("be1", BACKENDS["be1"])
+        sysctl = ["cat", "/proc/sys/net/ipv4/conf/all/route_localnet"]
+        assert lab.exec("node", sysctl).stdout.strip() == "0"
         manifests = tmp_path / "m"
         write_manifests(manifests, [svc("np", "10.96.0.30", [tcp(80, "http", node_port=30080)], type="NodePort"),
                                     eps("np", [BACKENDS["be1"]], HTTP_EP)])
         run_proxy(lab.ns("node"), "--once", manifests=manifests)
+        assert lab.exec("node", sysctl).stdout.strip() == "1"
         reply = lab.request("node", "127.0.0.1", 30080)
         assert reply.ok and reply.backend == "be1"
 

@@ -92,3 +92,26 @@ def test_api_objects_form(node):
     (r,) = play(node, [dict(service=service, endpoint_slices=slices, cluster_cidr="10.244.0.0/16")])
     assert r["changed"]
     assert backends(node, "10.96.0.12", 80, count=3) == {"be1"}
+
+
+def test_localhost_nodeports_set_route_localnet_with_check_mode(node):
+    # As kube-proxy: localhost NodePorts (the default) need route_localnet=1; the lab's node
+    # starts with 0 and the module sets it, reporting the change (and only reporting it in
+    # check mode).
+    sysctl = ["cat", "/proc/sys/net/ipv4/conf/all/route_localnet"]
+    np = {**WEB, "type": "NodePort", "ports": [dict(name="http", port=80, target_port=8080, node_port=30080)]}
+    assert node.exec("node", sysctl).stdout.strip() == "0"
+    (r,) = play(node, [np], "--check")
+    assert r["changed"] and r["sysctls"] == {"net.ipv4.conf.all.route_localnet": "0 -> 1"}
+    assert node.exec("node", sysctl).stdout.strip() == "0"
+    (r,) = play(node, [np])
+    assert r["changed"] and r["sysctls"] == {"net.ipv4.conf.all.route_localnet": "0 -> 1"}
+    assert node.exec("node", sysctl).stdout.strip() == "1"
+    reply = node.request("node", "127.0.0.1", 30080)
+    assert reply.ok and reply.backend in PODS
+    (r,) = play(node, [np])
+    assert not r["changed"] and r["sysctls"] == {}
+    # localhost_nodeports=false leaves the sysctl alone (also when it differs).
+    node.exec("node", ["sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=0"])
+    (r,) = play(node, [{**np, "localhost_nodeports": False}])
+    assert r["sysctls"] == {} and node.exec("node", sysctl).stdout.strip() == "0"

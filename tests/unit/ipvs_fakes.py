@@ -10,7 +10,11 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs as k
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import IPSet, parse_save
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import KernelError, Snapshot
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
+    KernelError,
+    RestoreError,
+    Snapshot,
+)
 
 BUILTIN = {"filter": ["INPUT", "FORWARD", "OUTPUT"], "nat": ["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"]}
 
@@ -168,6 +172,7 @@ class FakeIptables:
     def __init__(self) -> None:
         self.tables: Dict[str, Dict[str, List[str]]] = {t: {c: [] for c in cs} for t, cs in BUILTIN.items()}
         self.restores: List[str] = []
+        self.fail_restore = ""  # when set: every restore fails with this message
 
     def snapshot(self, tables=("filter", "nat")) -> Snapshot:
         rules, chains = {}, set()
@@ -178,7 +183,11 @@ class FakeIptables:
                     rules[(t, c)] = list(lines)
         return Snapshot(rules, chains)
 
+    snapshot_for_full_sync = snapshot
+
     def restore(self, text: str) -> float:
+        if self.fail_restore:
+            raise RestoreError(self.fail_restore)
         self.restores.append(text)
         work = {t: {c: list(r) for c, r in cs.items()} for t, cs in self.tables.items()}
         table = None
@@ -199,12 +208,12 @@ class FakeIptables:
                     table[chain].insert(int(pos) - 1, rule)
                 elif verb == "-D":
                     if rule not in table[chain]:
-                        raise KernelError(f"line {n}: no such rule")
+                        raise RestoreError(f"line {n}: no such rule")
                     table[chain].remove(rule)
                 elif verb == "-X":
                     refs = [c for c, rs in table.items() for r in rs if r.endswith(f"-j {chain}")]
                     if refs or table[chain]:
-                        raise KernelError(f"line {n}: chain {chain} in use or not empty")
+                        raise RestoreError(f"line {n}: chain {chain} in use or not empty")
                     del table[chain]
         self.tables = work
         return 0.0

@@ -726,26 +726,30 @@ class VM:
         """Wait until the guest accepts SSH; then open the shared connection. Returns seconds."""
         started = time.monotonic()
         deadline = started + timeout
-        last = ""
+        last = "no attempt finished"
         while True:
             if not self.alive():
                 qemu = self.qemu_log.read_text(errors="replace") if self.qemu_log.exists() else ""
                 raise VMLabError(f"{self.name}: qemu exited (rc={self.process.poll() if self.process else None})"
                                  f"\nqemu: {qemu.strip()}\n--- serial log tail ---\n{self.serial_tail()}")
+            # The deadline is checked before each attempt and bounds it: an attempt that
+            # outlived the deadline must not turn a timed-out boot into a success.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise VMLabError(f"{self.name}: SSH on 127.0.0.1:{self.port} not ready after {timeout:.0f} s "
+                                 f"(last error: {last})\n--- serial log tail ---\n{self.serial_tail()}")
+            connect = max(1, min(10, int(left)))
             try:
                 proc = subprocess.run(
-                    ["ssh", *self._ssh_base(), "-o", "ControlPath=none", "-o", "ConnectTimeout=10", "true"],
-                    stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=60)
+                    ["ssh", *self._ssh_base(), "-o", "ControlPath=none", "-o", f"ConnectTimeout={connect}", "true"],
+                    stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False, timeout=min(60.0, left))
             except subprocess.TimeoutExpired:
-                last = "ssh hung for 60 s"
+                last = f"ssh gave no answer within {min(60.0, left):.1f} s"
             else:
                 if proc.returncode == 0:
                     break
                 last = proc.stderr.strip()
-            if time.monotonic() > deadline:
-                raise VMLabError(f"{self.name}: SSH on 127.0.0.1:{self.port} not ready after {timeout:.0f} s "
-                                 f"(last error: {last})\n--- serial log tail ---\n{self.serial_tail()}")
-            time.sleep(1.0)
+            time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
         # One master connection for all later commands (stdio detached so that nothing hangs).
         subprocess.run(["ssh", *self._ssh_base(), "-o", f"ControlPath={self.control_path}", "-M", "-N", "-f",
                         "-o", "ControlPersist=no"],

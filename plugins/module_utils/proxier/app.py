@@ -17,10 +17,10 @@ from .daemon import Daemon, Hooks, ManifestsWatcher
 from .endpoints import categorize
 from .healthcheck import HealthCheckServers
 from .healthz import MetricsServer, ProxyHealthServer, health_timeout
-from .iptables_proxier import IptablesProxier, SyncResult
+from .iptables_proxier import IptablesProxier, SyncResult, ensure_route_localnet
 from .kernel.addresses import local_addresses, match_node_port_addresses
 from .kernel.conntrack import ConntrackCleaner, ServiceTarget
-from .kernel.iptables import IptablesKernel
+from .kernel.iptables import IptablesKernel, RestoreError
 from .metrics import ProxyMetrics
 from .state import ProxyState
 
@@ -64,14 +64,19 @@ def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> 
     return ipt
 
 
-def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> Any:
-    """IptablesProxier, or IpvsProxier in IPVS mode (same interface)."""
+def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel,
+                  log: Optional[LogFn] = None) -> Any:
+    """IptablesProxier, or IpvsProxier in IPVS mode (same interface). Like upstream's
+    NewProxier, iptables mode sets route_localnet for localhost NodePorts (RuntimeError if
+    it cannot)."""
     if cfg.mode == "ipvs":
         from .ipvs_proxier import IpvsProxier
 
         return IpvsProxier(state, proxier_config(cfg, state, netns), kernel, netns,
                            refresh=lambda: proxier_config(cfg, state, netns))
-    return IptablesProxier(state, iptables_config(cfg, state, netns), kernel)
+    ipt_cfg = iptables_config(cfg, state, netns)
+    ensure_route_localnet(ipt_cfg, netns, log or (lambda msg: None))
+    return IptablesProxier(state, ipt_cfg, kernel)
 
 
 class NodeHooks(Hooks):
@@ -87,7 +92,8 @@ class NodeHooks(Hooks):
         self.metrics = ProxyMetrics()
         self.health = ProxyHealthServer(cfg.healthz_bind_address or "127.0.0.1:0", health_timeout(cfg.sync_period),
                                         metrics=self.metrics, log=log)
-        self.metrics_server = MetricsServer(cfg.metrics_bind_address or "127.0.0.1:0", self.metrics, log=log)
+        self.metrics_server = MetricsServer(cfg.metrics_bind_address or "127.0.0.1:0", self.metrics,
+                                            proxy_mode=cfg.mode, log=log)
         # Health check node ports are probed by the external load balancer, so like
         # NodePorts they listen on the NodePort addresses (all addresses by default).
         bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and list(proxier.cfg.node_port_ips)
@@ -149,9 +155,11 @@ class NodeHooks(Hooks):
         # has lasted the health timeout.
         self.health.queued_update()
         self.metrics.sync_failures_total.inc()
-        self.metrics.iptables_restore_failures_total.inc()
-        if not self.proxier.last_attempt_full:
-            self.metrics.iptables_partial_restore_failures_total.inc()
+        # Upstream counts iptables-restore failures only (IPVS and ipset errors are not).
+        if iptables_restore_failed(error):
+            self.metrics.iptables_restore_failures_total.inc()
+            if not self.proxier.last_attempt_full:
+                self.metrics.iptables_partial_restore_failures_total.inc()
 
     def _health_checks(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -186,6 +194,11 @@ class NodeHooks(Hooks):
                      + (f"; errors: {'; '.join(result.errors[:3])}" if result.errors else ""))
 
 
+def iptables_restore_failed(error: BaseException) -> bool:
+    """Whether a failed sync failed (also) in an iptables-restore."""
+    return isinstance(error, RestoreError) or bool(getattr(error, "iptables_restore_failed", False))
+
+
 def _has_pyroute2() -> bool:
     try:
         import pyroute2  # noqa: F401
@@ -210,7 +223,11 @@ def udp_targets(state: ProxyState, key: str) -> List[ServiceTarget]:
 def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKernel, log: LogFn,
         verbose: bool = False, stop: Optional[threading.Event] = None) -> int:
     state = ProxyState(hostname)
-    proxier = build_proxier(cfg, state, args.netns, kernel)
+    try:
+        proxier = build_proxier(cfg, state, args.netns, kernel, log)
+    except RuntimeError as e:
+        log(f"error: cannot start the {cfg.mode} proxier: {e}")
+        return 1
     hooks = NodeHooks(cfg, state, proxier, args.netns, log)
     daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks, family=served_family(cfg))
     hooks.pending = daemon.has_pending

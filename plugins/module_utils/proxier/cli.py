@@ -199,7 +199,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     rejected = _reload(state, args.manifests, hostname, served_family(cfg), args.manifests_max_file_bytes)
     try:
-        proxier = build_proxier(cfg, state, args.netns, kernel)
+        proxier = build_proxier(cfg, state, args.netns, kernel, _log)
     except RuntimeError as e:
         _err(f"error: {e}")
         return 1

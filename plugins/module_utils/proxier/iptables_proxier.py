@@ -9,13 +9,15 @@ Any failure makes the next sync a full one; the kernel keeps the previous rules.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from .backends import iptables as ipt
 from .backends.iptables_plan import TABLES, Plan, plan
 from .gcpause import paused_gc
+from .kernel import sysctl
 from .kernel.iptables import IptablesKernel, Snapshot, cleanup_text
 from .state import ProxyState
 
@@ -40,6 +42,32 @@ class SyncResult:
         return (f"{kind} sync: {self.services} services, {self.endpoints} endpoints, {self.rules} rules "
                 f"({self.rules_written} written, {len(self.changes)} changes) in {self.total_seconds * 1000:.0f} ms "
                 f"(compile {self.compile_seconds * 1000:.0f} ms, apply {self.apply_seconds * 1000:.0f} ms)")
+
+
+ROUTE_LOCALNET = sysctl.ROUTE_LOCALNET
+
+
+def localhost_nodeports_on(cfg: ipt.IptablesConfig) -> bool:
+    """Upstream's rule: NodePorts answer on 127.0.0.1 when localhostNodePorts is on and the
+    NodePort addresses include IPv4 loopback (all addresses, or a range holding 127.0.0.1)."""
+    if not cfg.localhost_nodeports:
+        return False
+    return cfg.node_port_match_all or any(
+        ipaddress.ip_address(ip).is_loopback for ip in cfg.node_port_ips if ":" not in ip)
+
+
+def ensure_route_localnet(cfg: ipt.IptablesConfig, netns: str, log: Callable[[str], None]) -> bool:
+    """As upstream's NewProxier: with localhost NodePorts, set route_localnet=1 (without it
+    the kernel drops packets to 127.0.0.1 once DNAT sends them off the node) and say so.
+    Returns whether the value changed; raises sysctl.SysctlError when it cannot be set."""
+    if not localhost_nodeports_on(cfg):
+        return False
+    log(f"setting {ROUTE_LOCALNET}=1 to allow NodePorts on localhost; to change this, set "
+        "iptables.localhostNodePorts to false or nodePortAddresses (--nodeport-addresses) without 127.0.0.1")
+    changed = sysctl.ensure({ROUTE_LOCALNET: 1}, netns)
+    if changed:
+        log(f"sysctl {ROUTE_LOCALNET}: {changed[ROUTE_LOCALNET]}")
+    return bool(changed)
 
 
 class IptablesProxier:

@@ -48,7 +48,7 @@ from .kernel.dummy_link import DummyLink
 from .kernel.ipset import IPSet, IpsetKernel, temp_name
 from .kernel.ipset import plan as ipset_plan
 from .kernel.ipset_specs import kube_ipset
-from .kernel.iptables import IptablesKernel, KernelError, Snapshot
+from .kernel.iptables import IptablesKernel, KernelError, RestoreError, Snapshot
 from .state import ProxyState
 
 # Chains this proxy may own in either mode. KUBE-FIREWALL (iptables mode's localnet
@@ -59,7 +59,12 @@ SYNC_LEFTOVERS = OURS - {"KUBE-FIREWALL"}
 
 
 class IpvsSyncError(KernelError):
-    """One or more steps of an IPVS-mode sync failed (all steps were tried)."""
+    """One or more steps of an IPVS-mode sync failed (all steps were tried).
+    ``iptables_restore_failed``: one of them was an iptables-restore (for the metric)."""
+
+    def __init__(self, message: str, iptables_restore_failed: bool = False) -> None:
+        super().__init__(message)
+        self.iptables_restore_failed = iptables_restore_failed
 
 
 @dataclass
@@ -292,6 +297,7 @@ class IpvsProxier:
         self.agg = ipvsc.Aggregate()
         self.need_full = True
         self.last_attempt_full = True
+        self._restore_failed = False  # an iptables-restore of the current sync failed
         self.pending: Dict[Any, float] = {}  # graceful removals: (service key, dest key) -> since
         self._sets: Dict[str, Any] = {}  # ipset name -> kernel IPSet as last applied
         self._rules: Dict[ChainKey, List[str]] = {}  # iptables rules as last applied
@@ -334,6 +340,7 @@ class IpvsProxier:
         changed = self.state.take_changes()
         full = force_full or self.need_full
         self.last_attempt_full = full
+        self._restore_failed = False
         try:
             result = self._full_sync(start) if full else self._partial_sync(changed, start)
         except Exception:
@@ -419,6 +426,7 @@ class IpvsProxier:
             self._rules = {k: list(v) for k, v in desired.rules.items()}
         except Exception as e:
             self._rules = {}
+            self._restore_failed |= isinstance(e, RestoreError)
             errors.append(f"iptables: {e}")
 
         # 6. unbind what no service uses any more.
@@ -502,6 +510,7 @@ class IpvsProxier:
                 changes += ip_plan.changes
                 self._rules = {k: list(v) for k, v in rules.items()}
             except Exception as e:
+                self._restore_failed |= isinstance(e, RestoreError)
                 errors.append(f"iptables: {e}")
 
         return self._finish(False, addr_removed, changes, errors, rules_written, compile_s, t1, start)
@@ -517,7 +526,8 @@ class IpvsProxier:
             errors.append(f"{ipvsc.DUMMY_DEVICE} addresses: {e}")
         apply_s = time.monotonic() - apply_start
         if errors:
-            raise IpvsSyncError(f"{'full' if full else 'partial'} sync failed: " + "; ".join(errors))
+            raise IpvsSyncError(f"{'full' if full else 'partial'} sync failed: " + "; ".join(errors),
+                                iptables_restore_failed=self._restore_failed)
         return self._result(full, changes, rules_written, compile_s, apply_s, start)
 
     def _apply_ipvs(self, current: List[Any], want: List[Any], delete: Callable[[Any], bool],

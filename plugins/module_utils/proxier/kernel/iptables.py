@@ -42,6 +42,11 @@ class KernelError(RuntimeError):
     pass
 
 
+class RestoreError(KernelError):
+    """iptables-restore refused its input (what upstream counts as a restore failure)."""
+
+
+
 @dataclass
 class Snapshot:
     rules: Dict[ChainKey, List[str]]  # KUBE-* chains and the built-in chains
@@ -136,7 +141,7 @@ class IptablesKernel:
         proc = self._run(argv, input=text, capture_output=True, text=True, check=False)
         elapsed = time.monotonic() - start
         if proc.returncode != 0:
-            raise KernelError(_restore_error(proc.stderr, text))
+            raise RestoreError(_restore_error(proc.stderr, text))
         return elapsed
 
 

@@ -9,6 +9,8 @@ Small, dependency-free helpers shared by modules and the daemon:
 * :func:`read_text` / :func:`read_int` / :func:`write_value` do the I/O, turning the
   errors a read-only key gives (EACCES, EPERM, EROFS, EOPNOTSUPP) into
   :class:`ReadOnlyError`, anything else into :class:`SysctlError`;
+* :func:`ensure` is upstream's ``EnsureSysctl`` (write a key only when it differs), here or
+  in another network namespace;
 * :func:`render_lines`, :func:`render_sysctl_conf` and :func:`parse_sysctl_conf` are pure:
   ``key = value`` lines, the way ``sysctl.d(5)`` files and ``sysctl -a`` write them.
 
@@ -20,10 +22,15 @@ the process that opened the file.
 from __future__ import annotations
 
 import errno
+import json
 import os
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+import subprocess
+import sys
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 PROC_SYS = "/proc/sys"
+# Lets packets to 127.0.0.0/8 be routed off the host after DNAT: localhost NodePorts need it.
+ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
 READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EOPNOTSUPP)
 
 
@@ -105,6 +112,63 @@ def writable(path: str) -> bool:
     return os.access(path, os.W_OK)
 
 
+def ensure_here(values: Mapping[str, object], check: bool = False, root: str = PROC_SYS) -> Dict[str, str]:
+    """Upstream's EnsureSysctl in this process's namespace: write each key whose value
+    differs (nothing with ``check``). Returns {key: "old -> new"} for the keys that were (or
+    would be) written; raises :class:`SysctlError` (a missing key) or :class:`ReadOnlyError`."""
+    changed: Dict[str, str] = {}
+    for key, value in values.items():
+        path = key_path(key, root)
+        have = read_text(path)
+        if have is None:
+            raise SysctlError(f"{key}: no such sysctl ({path})")
+        if have.split() == str(value).split():
+            continue
+        if not check:
+            write_value(path, value, key)
+        changed[key] = f"{have} -> {value}"
+    return changed
+
+
+# Run by ``ip netns exec NS python3 -I -c`` with this file's path: loads this module by
+# path (it needs only the standard library) and calls ensure_here() in that namespace.
+_ENSURE_IN_NETNS = (
+    "import importlib.util, json, sys\n"
+    "spec = importlib.util.spec_from_file_location('kubenode_sysctl', sys.argv[1])\n"
+    "mod = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(mod)\n"
+    "try:\n"
+    "    out = {'changed': mod.ensure_here(dict(a.split('=', 1) for a in sys.argv[3:]), sys.argv[2] == 'check')}\n"
+    "except mod.SysctlError as exc:\n"
+    "    out = {'error': str(exc)}\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def ensure(values: Mapping[str, object], netns: str = "", check: bool = False,
+           runner: Callable[..., Any] = subprocess.run) -> Dict[str, str]:
+    """:func:`ensure_here` in network namespace ``netns`` ("" = this process's): /proc/sys
+    shows the namespace of the process that opens it, so another namespace is reached
+    through one ``ip netns exec`` child. Raises :class:`SysctlError`."""
+    if not netns:
+        return ensure_here(values, check)
+    args = [f"{key}={value}" for key, value in values.items()]
+    argv = ["ip", "netns", "exec", netns, sys.executable or "python3", "-I", "-c", _ENSURE_IN_NETNS,
+            os.path.abspath(__file__), "check" if check else "write", *args]
+    proc = runner(argv, capture_output=True, text=True, check=False)
+    try:
+        out = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    except ValueError:
+        out = {}
+    if "error" in out:
+        raise SysctlError(f"network namespace {netns}: {out['error']}")
+    if "changed" not in out:
+        detail = (proc.stderr or proc.stdout or "").strip().splitlines()
+        raise SysctlError(f"cannot set {', '.join(args)} in network namespace {netns}: "
+                          f"{detail[-1][:200] if detail else f'exit status {proc.returncode}'}")
+    return dict(out["changed"])
+
+
 def render_lines(values: Iterable[Tuple[str, object]]) -> str:
     """``key = value`` lines in the given order (each ending with a newline)."""
     return "".join(f"{key} = {value}\n" for key, value in values)
@@ -130,6 +194,7 @@ def parse_sysctl_conf(text: str) -> Dict[str, str]:
 
 
 __all__ = [
-    "PROC_SYS", "ReadOnlyError", "SysctlError", "key_path", "mode_allows_write", "parse_sysctl_conf",
-    "read_int", "read_text", "render_lines", "render_sysctl_conf", "write_value", "writable",
+    "PROC_SYS", "ROUTE_LOCALNET", "ReadOnlyError", "SysctlError", "ensure", "ensure_here", "key_path",
+    "mode_allows_write", "parse_sysctl_conf", "read_int", "read_text", "render_lines", "render_sysctl_conf",
+    "write_value", "writable",
 ]
