@@ -119,7 +119,7 @@ class EntryError(IpsetError, ValueError):
         self.set_name = set_name
         self.entry = entry
         self.reason = reason
-        where = f"set {set_name}: " if set_name else ""
+        where = f"set {set_label(set_name)}: " if set_name else ""
         super().__init__(f"{where}bad entry {entry!r}: {reason}")
 
 
@@ -241,7 +241,14 @@ def check_header(want: IPSet) -> None:
             ktext.ipset_token(key, "options")
             ktext.ipset_token(value, f"options.{key}")
     except ktext.UnsafeText as e:
-        raise PlanError(f"set {want.name if isinstance(want.name, str) else '?'}: {e}") from None
+        raise PlanError(f"set {set_label(want.name)}: {e}") from None
+
+
+def set_label(name: object) -> str:
+    """A set name for a message: as it is when valid, else quoted (no raw control characters)."""
+    if isinstance(name, str) and ktext._IPSET_NAME.fullmatch(name) and len(name) <= IPSET_MAXNAMELEN:
+        return name
+    return ktext.shown(name)
 
 
 def check_range(value: object, field: str = "range") -> str:
