@@ -140,13 +140,22 @@ class IptablesProxier:
         reuse = self.compiled if cfg == self._compiled_cfg else {}
         compiled = {}
         self.rejected = {k: v for k, v in self.rejected.items() if k in self.state.services}
+        state = self.state
+        rejected = self.rejected
         with paused_gc():
-            for key in self.state.service_keys():
+            for key in state.service_keys():
                 rules = reuse.get(key) if key not in changed else None
                 if rules is None:
-                    rules = self._compile(key, cfg, reuse.get(key))
-                    if rules is None:
-                        continue  # refused, and nothing applied before: left out
+                    try:
+                        rules = ipt.compile_service(state.ports_of(key), state.endpoints_for(key), cfg)
+                    except ValidationError as e:  # as _compile(), inline: this loop is the cold compile
+                        rejected[key] = str(e)
+                        rules = reuse.get(key)
+                        if rules is None:
+                            continue  # refused, and nothing applied before: left out
+                    else:
+                        if rejected:
+                            rejected.pop(key, None)
                 compiled[key] = rules
             return compiled, assemble(compiled, cfg)
 

@@ -36,20 +36,30 @@ def _object_name(sp: ServicePort) -> str:
 
 def port_name(sp: ServicePort, index: int) -> str:
     """The port's ``ns/name[:port]`` escaped for an iptables comment (unchanged for every
-    name the API server admits), after checking the port's own fields. The first test is
-    the fast path of a cold compile (no field path is formatted unless something fails)."""
+    name the API server admits), after checking the fields every port writes (cluster IP,
+    port, protocol); the general compiler path checks the others (:func:`port_extras`).
+    The first test is the fast path of a cold compile: no field path is formatted unless
+    something fails."""
     full = sp.name.text
     p = sp.port
-    cluster_ip = sp.cluster_ip
-    if (type(full) is str and len(full) <= NAME_BUDGET and full.isascii() and full.isprintable()
-            and '"' not in full and "'" not in full and "\\" not in full
-            and type(p) is int and 0 < p < 65536 and sp.protocol in _PROTOCOLS
-            and type(cluster_ip) is str and ":" not in cluster_ip and _pton_ok(cluster_ip)
-            and not (sp.node_port or sp.health_check_node_port or sp.session_affinity_seconds
-                     or sp.external_ips or sp.load_balancer_ips or sp.load_balancer_source_ranges)):
+    try:
+        _pton(_AF_INET, sp.cluster_ip)  # IPv6 fails here and is looked at again below
+    except (OSError, ValueError, TypeError):
+        p = None
+    if (type(p) is int and 0 < p < 65536 and type(full) is str and len(full) <= NAME_BUDGET
+            and full.isascii() and full.isprintable() and '"' not in full and "'" not in full
+            and "\\" not in full and sp.protocol in _PROTOCOLS):
         return full
     try:
-        return _slow_port(sp, index)
+        return _slow_port(sp, index, extras=False)
+    except text.UnsafeText as e:
+        raise ValidationError("Service", _object_name(sp), e.field, e.problem) from None
+
+
+def port_extras(sp: ServicePort, index: int) -> None:
+    """NodePort, health check port, affinity, external and LB addresses, source ranges."""
+    try:
+        _extras(sp, index)
     except text.UnsafeText as e:
         raise ValidationError("Service", _object_name(sp), e.field, e.problem) from None
 
@@ -63,15 +73,7 @@ def port_fields(sp: ServicePort, index: int) -> None:
         raise ValidationError("Service", _object_name(sp), e.field, e.problem) from None
 
 
-def _pton_ok(value: str) -> bool:
-    try:
-        _pton(_AF_INET, value)
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def _slow_port(sp: ServicePort, index: int, with_name: bool = True) -> str:
+def _slow_port(sp: ServicePort, index: int, with_name: bool = True, extras: bool = True) -> str:
     full = ""
     if with_name:
         full = sp.name.text
@@ -80,6 +82,12 @@ def _slow_port(sp: ServicePort, index: int, with_name: bool = True) -> str:
     text.ip(sp.cluster_ip, "spec.clusterIP")
     text.port(sp.port, f"spec.ports[{index}].port")
     text.protocol(sp.protocol, f"spec.ports[{index}].protocol")
+    if extras:
+        _extras(sp, index)
+    return full
+
+
+def _extras(sp: ServicePort, index: int) -> None:
     if sp.node_port:
         text.port(sp.node_port, f"spec.ports[{index}].nodePort")
     if sp.health_check_node_port:
@@ -96,7 +104,6 @@ def _slow_port(sp: ServicePort, index: int, with_name: bool = True) -> str:
     if sp.load_balancer_source_ranges:
         for i, value in enumerate(_seq(sp.load_balancer_source_ranges, "spec.loadBalancerSourceRanges")):
             text.cidr(value, f"spec.loadBalancerSourceRanges[{i}]")
-    return full
 
 
 def _seq(value: Any, field: str) -> Sequence[Any]:

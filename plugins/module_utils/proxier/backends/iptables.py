@@ -156,6 +156,12 @@ def probability(n: int) -> str:
     return "%.11f" % (stored / 0x80000000)
 
 
+@functools.lru_cache(maxsize=256)
+def _statistic_matches(n: int) -> Tuple[str, ...]:
+    """The statistic match before each of ``n`` endpoint jumps (none before the last)."""
+    return tuple(f"-m statistic --mode random --probability {probability(n - i)} " for i in range(n - 1)) + ("",)
+
+
 class LocalDetector:
     def __init__(self, cfg: IptablesConfig) -> None:
         self.cfg = cfg
@@ -268,6 +274,7 @@ def compile_service(
         if _is_cluster_ip_only(sp):
             _compile_cluster_ip_port(out, sp, eps, cfg, name)
         else:
+            checked.port_extras(sp, i)
             _compile_port(out, sp, eps, cfg, name)
     return out
 
@@ -318,23 +325,26 @@ def _compile_cluster_ip_port(out: ServiceRules, svc: ServicePort, eps: Sequence[
     prefix = raw + proto
     n = len(ready)
     pton, af_inet = _pton, _AF_INET
+    stats = _statistic_matches(n)
     for i, ep in enumerate(ready):
         # checked.endpoints() inlined (this loop is most of a cold compile): an IPv4
         # address inet_pton takes and a port number, or the field-by-field check.
+        ip = ep.ip
         port = ep.port
         try:
-            pton(af_inet, ep.ip)
+            pton(af_inet, ip)
+            host = ip + "/32"
         except (OSError, ValueError, TypeError):
-            port = 0
+            port = host = ""
         if type(port) is not int or not 0 < port < 65536:
-            checked.endpoint(svc, i, ep)
+            checked.endpoint(svc, i, ep)  # raises, or returns for an IPv6 address
+            host = _host(ip)
         dest = ep.addr
         sep = "KUBE-SEP-" + _hash16(prefix + dest)
         head = "" if large else f"{_comment(f'{name} -> {dest}')} "
-        stat = f"-m statistic --mode random --probability {probability(n - i)} " if i < n - 1 else ""
-        jumps.append(f"{head}{stat}-j {sep}")
+        jumps.append(f"{head}{stats[i]}-j {sep}")
         chains[(NAT, sep)] = [
-            f"-s {_host(ep.ip)}{comment} -j {KUBE_MARK_MASQ}",
+            f"-s {host}{comment} -j {KUBE_MARK_MASQ}",
             f"-p {proto}{comment} -m {proto} -j DNAT --to-destination {dest}",
         ]
     out.endpoints += n
