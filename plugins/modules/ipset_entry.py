@@ -181,12 +181,15 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 try:
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import text
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import (
+        MAX_TIMEOUT,
         MISSING_TOOL,
         EntryError,
         IPSet,
         IpsetError,
         IpsetKernel,
+        check_range,
         entries_of,
         entry_sort_key,
         plan,
@@ -213,7 +216,29 @@ class IpsetEntry(object):
         self.params = module.params
         self.kernel = kernel
 
+    def _check_text(self):
+        """Every option that reaches the ``ipset restore`` input is one token of it
+        (kernel/text.py): a newline in ``range`` must not become a second command."""
+        p = self.params
+        try:
+            text.ipset_name(p["name"], "name")
+            if p["range"] is not None:
+                check_range(p["range"], "range")
+            if p["timeout"] is not None:
+                text.number(p["timeout"], "timeout", 0, MAX_TIMEOUT)
+            if p["hashsize"] is not None:
+                text.number(p["hashsize"], "hashsize", 1, 1 << 31)
+            if p["maxelem"] is not None:
+                text.number(p["maxelem"], "maxelem", 1, (1 << 32) - 1)
+            if p["comment"] is not None:
+                text.ipset_comment(p["comment"], "comment")
+            for i, entry in enumerate(p["entries"] or []):
+                text.ipset_token(entry.strip() if isinstance(entry, str) else entry, "entries[%d]" % i)
+        except text.UnsafeText as e:
+            self.module.fail_json(msg=str(e), option=e.field)
+
     def _check(self):
+        self._check_text()
         p = self.params
         if p["state"] != "present":
             return

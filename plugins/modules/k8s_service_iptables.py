@@ -406,6 +406,8 @@ class ServiceIptables(object):
             text = sp.plan.text()
             if text and not self.module.check_mode:
                 self.kernel.restore(text)
+        except ValidationError as e:  # a field the compiler cannot write into restore input
+            self.module.fail_json(msg=str(e), object=e.name, field=e.path)
         except KernelError as e:
             self.module.fail_json(msg=str(e))
         result = dict(

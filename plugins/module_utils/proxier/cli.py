@@ -209,7 +209,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         _err(f"error: sync failed: {e}")
         return 1
     _report(result, args.verbose)
-    return 3 if rejected else 0
+    for key in sorted(result.rejected):
+        _err(f"rejected: {result.rejected[key]}")
+    return 3 if rejected or result.rejected else 0
 
 
 def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> int:

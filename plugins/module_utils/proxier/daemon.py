@@ -64,6 +64,7 @@ class Daemon:
         self._queue: Deque[_Item] = collections.deque()
         self.runner = BoundedFrequencyRunner(self._sync, min_period, sync_period, on_error=self._sync_failed)
         self.rejected: Dict[str, str] = {}  # object key -> error, while it stays bad
+        self._refused: Dict[str, str] = {}  # service key -> why the compiler refused it (last sync)
         self.last_result: Optional[SyncResult] = None
         self.sync_failures = 0
         self._thread: Optional[threading.Thread] = None
@@ -195,11 +196,17 @@ class Daemon:
         now = time.time()
         self.last_result = result
         self.hooks.synced(result, [now - t for t in seen])
+        refused = getattr(result, "rejected", {})
+        for key in sorted(refused):  # named once per new reason, like a rejected object
+            if self._refused.get(key) != refused[key]:
+                self.log(f"rejected {refused[key]}; keeping its last rules, if any")
+        self._refused = dict(refused)
         if result.full or result.changes:
             names = sorted(result.changed)
             what = f"; services changed: {', '.join(names[:5])}" + (f" (+{len(names) - 5} more)" if len(names) > 5
                                                                     else "") if names else ""
-            self.log(result.summary() + what + (f"; {len(self.rejected)} objects rejected" if self.rejected else ""))
+            count = len(self.rejected) + len(refused)
+            self.log(result.summary() + what + (f"; {count} objects rejected" if count else ""))
 
     def _sync_failed(self, error: BaseException) -> None:
         self.sync_failures += 1

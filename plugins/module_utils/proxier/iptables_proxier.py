@@ -19,6 +19,7 @@ from .backends.iptables_plan import TABLES, Plan, plan
 from .gcpause import paused_gc
 from .kernel import sysctl
 from .kernel.iptables import IptablesKernel, Snapshot, cleanup_text
+from .model import ValidationError
 from .state import ProxyState
 
 
@@ -36,6 +37,9 @@ class SyncResult:
     no_endpoint_ports: int = 0
     changed: Set[str] = field(default_factory=set)  # services ("ns/name") this sync covered
     partial_failed: bool = False
+    # Services the compiler refused (a field that cannot be written into kernel text):
+    # "ns/name" -> message naming the field. They keep their last good rules, if any.
+    rejected: Dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         kind = "full" if self.full else "partial"
@@ -82,6 +86,7 @@ class IptablesProxier:
         self._compiled_cfg: Optional[ipt.IptablesConfig] = None  # the config ``compiled`` was built with
         self.rewrite_period = 3600.0  # large tables: longest time between two full rewrites
         self._last_rewrite = float("-inf")
+        self.rejected: Dict[str, str] = {}  # service key -> why the compiler refused it
 
     def _config(self) -> ipt.IptablesConfig:
         large = self.state.endpoint_count() > ipt.LARGE_CLUSTER_ENDPOINTS
@@ -91,10 +96,21 @@ class IptablesProxier:
             self.need_full = True
         return self.cfg
 
-    def _compile(self, key: str) -> Optional[ipt.ServiceRules]:
+    def _compile(self, key: str, cfg: Optional[ipt.IptablesConfig] = None,
+                 last_good: Optional[ipt.ServiceRules] = None) -> Optional[ipt.ServiceRules]:
+        """One service's rules. A service the compiler refuses is named in ``rejected`` and
+        keeps ``last_good`` (what the kernel has for it under this config, or nothing):
+        one bad object never fails the sync of the others."""
         if key not in self.state.services:
+            self.rejected.pop(key, None)
             return None
-        return ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
+        try:
+            rules = ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg or self.cfg)
+        except ValidationError as e:
+            self.rejected[key] = str(e)
+            return last_good
+        self.rejected.pop(key, None)
+        return rules
 
     def sync(self, force_full: bool = False) -> SyncResult:
         start = time.monotonic()
@@ -121,6 +137,7 @@ class IptablesProxier:
             raise
         self.need_full = False
         result.changed = changed
+        result.rejected = dict(self.rejected)
         return result
 
     def _rewrite_not_due(self, cfg: ipt.IptablesConfig) -> bool:
@@ -150,11 +167,23 @@ class IptablesProxier:
         it was applied, under the same config, compiles to what we hold already."""
         reuse = self.compiled if cfg == self._compiled_cfg else {}
         compiled = {}
+        self.rejected = {k: v for k, v in self.rejected.items() if k in self.state.services}
+        state = self.state
+        rejected = self.rejected
         with paused_gc():
-            for key in self.state.service_keys():
+            for key in state.service_keys():
                 rules = reuse.get(key) if key not in changed else None
                 if rules is None:
-                    rules = ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg)
+                    try:
+                        rules = ipt.compile_service(state.ports_of(key), state.endpoints_for(key), cfg)
+                    except ValidationError as e:  # as _compile(), inline: this loop is the cold compile
+                        rejected[key] = str(e)
+                        rules = reuse.get(key)
+                        if rules is None:
+                            continue  # refused, and nothing applied before: left out
+                    else:
+                        if rejected:
+                            rejected.pop(key, None)
                 compiled[key] = rules
             return compiled, assemble(compiled, cfg)
 
@@ -183,7 +212,7 @@ class IptablesProxier:
         new_compiled: Dict[str, Optional[ipt.ServiceRules]] = {}
         for key in sorted(changed):
             old = self.compiled.get(key)
-            new = self._compile(key)
+            new = self._compile(key, last_good=old)
             new_compiled[key] = new
             if old is not None:
                 _merge_into(before, old)

@@ -49,6 +49,7 @@ from .kernel.ipset import IPSet, IpsetKernel, temp_name
 from .kernel.ipset import plan as ipset_plan
 from .kernel.ipset_specs import kube_ipset
 from .kernel.iptables import IptablesKernel, KernelError, RestoreError, Snapshot
+from .model import ValidationError
 from .state import ProxyState
 
 # Chains this proxy may own in either mode. KUBE-FIREWALL (iptables mode's localnet
@@ -302,6 +303,7 @@ class IpvsProxier:
         self._sets: Dict[str, Any] = {}  # ipset name -> kernel IPSet as last applied
         self._rules: Dict[ChainKey, List[str]] = {}  # iptables rules as last applied
         self._timeouts_done = False
+        self.rejected: Dict[str, str] = {}  # service key -> why the compiler refused it
 
     # --- kernel handles (created on first use: pyroute2 and IPVS are only needed then) ---
 
@@ -331,9 +333,18 @@ class IpvsProxier:
     # --- sync ------------------------------------------------------------------------
 
     def _compile(self, key: str) -> Optional[ipvsc.ServiceIPVS]:
+        """One service's state; a service the compiler refuses is named in ``rejected`` and
+        keeps its last good state (self.agg holds what was applied), or is left out."""
         if key not in self.state.services:
+            self.rejected.pop(key, None)
             return None
-        return ipvsc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
+        try:
+            result = ipvsc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
+        except ValidationError as e:
+            self.rejected[key] = str(e)
+            return self.agg.services.get(key)
+        self.rejected.pop(key, None)
+        return result
 
     def sync(self, force_full: bool = False) -> IpvsSyncResult:
         start = time.monotonic()
@@ -349,6 +360,7 @@ class IpvsProxier:
             raise
         self.need_full = False
         result.changed = changed
+        result.rejected = dict(self.rejected)
         return result
 
     def _full_sync(self, start: float) -> IpvsSyncResult:
@@ -359,6 +371,7 @@ class IpvsProxier:
             except Exception:  # keep the addresses we know; the sync itself may still work
                 pass
         agg = ipvsc.Aggregate()
+        self.rejected = {k: v for k, v in self.rejected.items() if k in self.state.services}
         with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
             for key in self.state.service_keys():
                 agg.set(key, self._compile(key))

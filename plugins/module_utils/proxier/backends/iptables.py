@@ -16,11 +16,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
+import socket
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 from ..endpoints import categorize
+from ..kernel import text
 from ..model import Endpoint, ServicePort
+from . import checked
 
 FILTER = "filter"
 NAT = "nat"
@@ -49,6 +52,8 @@ LARGE_CLUSTER_ENDPOINTS = 1000
 NODEPORTS_TAIL_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 
 ChainKey = Tuple[str, str]  # (table, chain)
+_pton = socket.inet_pton
+_AF_INET = socket.AF_INET
 
 
 _B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
@@ -138,8 +143,9 @@ def _net(cidr: str) -> str:
     return str(net)
 
 
-def _comment(text: str) -> str:
-    return f'-m comment --comment "{text}"'
+def _comment(body: str) -> str:
+    """``body`` is fixed text, or built from names checked.port_name() escaped."""
+    return f'-m comment --comment "{body}"'
 
 
 @functools.lru_cache(maxsize=1024)
@@ -148,6 +154,12 @@ def probability(n: int) -> str:
     p = float("%0.10f" % (1.0 / n))
     stored = int(p * 0x80000000 + 0.5)
     return "%.11f" % (stored / 0x80000000)
+
+
+@functools.lru_cache(maxsize=256)
+def _statistic_matches(n: int) -> Tuple[str, ...]:
+    """The statistic match before each of ``n`` endpoint jumps (none before the last)."""
+    return tuple(f"-m statistic --mode random --probability {probability(n - i)} " for i in range(n - 1)) + ("",)
 
 
 class LocalDetector:
@@ -169,7 +181,7 @@ class LocalDetector:
                 self.not_local_after_dst = f" ! -i {value}"
 
     def _iface(self) -> str:
-        name = self.cfg.local_interface
+        name = text.iface(self.cfg.local_interface, "detectLocal.interface")
         return name + "+" if self.cfg.local_mode == "InterfaceNamePrefix" else name
 
     # Returns (prefix-part for the basic matches) to be merged into the rule's head.
@@ -253,13 +265,17 @@ def compile_service(
     endpoints: Dict,  # ServicePortName -> List[Endpoint]
     cfg: IptablesConfig,
 ) -> ServiceRules:
+    """Raises model.ValidationError (naming the object and field) for a field that cannot
+    be written into restore input: the caller leaves this service out (checked.py)."""
     out = ServiceRules()
-    for sp in ports:
+    for i, sp in enumerate(ports):
         eps = endpoints.get(sp.name, [])
+        name = checked.port_name(sp, i)
         if _is_cluster_ip_only(sp):
-            _compile_cluster_ip_port(out, sp, eps, cfg)
+            _compile_cluster_ip_port(out, sp, eps, cfg, name)
         else:
-            _compile_port(out, sp, eps, cfg)
+            checked.port_extras(sp, i)
+            _compile_port(out, sp, eps, cfg, name)
     return out
 
 
@@ -271,12 +287,14 @@ def _is_cluster_ip_only(svc: ServicePort) -> bool:
 
 
 def _compile_cluster_ip_port(out: ServiceRules, svc: ServicePort, eps: Sequence[Endpoint],
-                             cfg: IptablesConfig) -> None:
+                             cfg: IptablesConfig, name: str = "") -> None:
     """_compile_port() for a port _is_cluster_ip_only() accepts, with the branches that
     cannot apply left out: the same rules (test_iptables_compile holds the two paths equal),
-    in a third of the time, which is what a cold 10,000-service compile is made of."""
+    in a third of the time, which is what a cold 10,000-service compile is made of.
+    ``name``: the port's name as checked.port_name() escaped it for comments."""
     proto = svc.protocol.lower()
-    name = svc.name.text
+    raw = svc.name.text  # hashed as it is; only comments carry the escaped form
+    name = name or raw
     ready = [ep for ep in eps if ep.ready]
     if not ready:
         # Upstream's fallback to serving-terminating endpoints (endpoints.categorize).
@@ -289,7 +307,7 @@ def _compile_cluster_ip_port(out: ServiceRules, svc: ServicePort, eps: Sequence[
             else "REJECT --reject-with icmp-port-unreachable"))
         out.no_endpoint_ports += 1
         return
-    svc_chain_name = "KUBE-SVC-" + port_proto_hash(name, proto)
+    svc_chain_name = "KUBE-SVC-" + port_proto_hash(raw, proto)
     match = f'-p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {svc.port}'
     out.add_shared(NAT, KUBE_SERVICES, f"-d {dst} {match} -j {svc_chain_name}")
     jumps: List[str] = []
@@ -304,29 +322,45 @@ def _compile_cluster_ip_port(out: ServiceRules, svc: ServicePort, eps: Sequence[
     chains[(NAT, svc_chain_name)] = jumps
     large = cfg.large_cluster
     comment = "" if large else f" {_comment(name)}"
-    prefix = name + proto
+    prefix = raw + proto
     n = len(ready)
+    pton, af_inet = _pton, _AF_INET
+    stats = _statistic_matches(n)
     for i, ep in enumerate(ready):
+        # checked.endpoints() inlined (this loop is most of a cold compile): an IPv4
+        # address inet_pton takes and a port number, or the field-by-field check.
+        ip = ep.ip
+        port = ep.port
+        try:
+            pton(af_inet, ip)
+            host = ip + "/32"
+        except (OSError, ValueError, TypeError):
+            port = host = ""
+        if type(port) is not int or not 0 < port < 65536:
+            checked.endpoint(svc, i, ep)  # raises, or returns for an IPv6 address
+            host = _host(ip)
         dest = ep.addr
         sep = "KUBE-SEP-" + _hash16(prefix + dest)
         head = "" if large else f"{_comment(f'{name} -> {dest}')} "
-        stat = f"-m statistic --mode random --probability {probability(n - i)} " if i < n - 1 else ""
-        jumps.append(f"{head}{stat}-j {sep}")
+        jumps.append(f"{head}{stats[i]}-j {sep}")
         chains[(NAT, sep)] = [
-            f"-s {_host(ep.ip)}{comment} -j {KUBE_MARK_MASQ}",
+            f"-s {host}{comment} -j {KUBE_MARK_MASQ}",
             f"-p {proto}{comment} -m {proto} -j DNAT --to-destination {dest}",
         ]
     out.endpoints += n
 
 
-def _compile_port(out: ServiceRules, svc: ServicePort, eps: Sequence[Endpoint], cfg: IptablesConfig) -> None:
+def _compile_port(out: ServiceRules, svc: ServicePort, eps: Sequence[Endpoint], cfg: IptablesConfig,
+                  name: str = "") -> None:
     proto = svc.protocol.lower()
-    name = str(svc.name)
+    raw = svc.name.text  # hashed as it is; ``name`` (escaped for comments) goes into the text
+    name = name or raw
     detector = cfg.detector
     cat = categorize(eps, svc)
+    checked.endpoints(svc, cat.reachable)  # the endpoints that reach the text
     has_endpoints = cat.has_any
 
-    port_hash = port_proto_hash(name, proto)  # svc_chain() etc., with one hash for the four
+    port_hash = port_proto_hash(raw, proto)  # svc_chain() etc., with one hash for the four
     cluster_chain = "KUBE-SVC-" + port_hash
     local_chain = "KUBE-SVL-" + port_hash
     external_chain = "KUBE-EXT-" + port_hash
@@ -452,7 +486,7 @@ def _compile_port(out: ServiceRules, svc: ServicePort, eps: Sequence[Endpoint], 
         add(firewall_chain, rule(comment=f"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL"))
 
     # Each endpoint's chain name, hashed once (the policy chains' jumps use it again).
-    seps = {ep.addr: sep_chain(name, proto, ep.addr) for ep in cat.reachable}
+    seps = {ep.addr: sep_chain(raw, proto, ep.addr) for ep in cat.reachable}
     if uses_cluster_chain:
         _endpoint_jumps(chains, cluster_chain, name, svc, cat.cluster, seps, cfg)
     if uses_local_chain:
@@ -571,6 +605,7 @@ def nodeports_tail(cfg: IptablesConfig) -> List[str]:
                      target=KUBE_NODEPORTS)]
     out = []
     for ip in cfg.node_port_ips:
+        text.ip(ip, "nodePortAddresses")
         if ipaddress.ip_address(ip).is_loopback and not cfg.localhost_nodeports:
             continue
         out.append(rule(dst=_host(ip), comment=NODEPORTS_TAIL_COMMENT, target=KUBE_NODEPORTS))

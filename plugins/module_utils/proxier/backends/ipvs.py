@@ -56,6 +56,7 @@ from ..kernel.ipset_specs import (
     KubeIPSetSpec,
 )
 from ..model import Endpoint, ServicePort
+from . import checked
 from .iptables import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
 
 DUMMY_DEVICE = "kube-ipvs0"
@@ -285,10 +286,16 @@ def _packed(ip: str) -> bytes:
 
 
 def compile_service(ports: Sequence[ServicePort], endpoints: Mapping, cfg: IpvsConfig) -> ServiceIPVS:
-    """``endpoints``: ServicePortName -> [Endpoint] (ProxyState.endpoints_for)."""
+    """``endpoints``: ServicePortName -> [Endpoint] (ProxyState.endpoints_for). Raises
+    model.ValidationError for a field that cannot be written (backends/checked.py)."""
     out = ServiceIPVS()
-    for sp in ports:
-        _compile_port(out, sp, list(endpoints.get(sp.name, [])), cfg)
+    for i, sp in enumerate(ports):
+        eps = list(endpoints.get(sp.name, []))
+        # Refuse what cannot be an ipset entry or rule token (model.ValidationError): the
+        # proxier leaves this service out and serves the others.
+        checked.port_fields(sp, i)
+        checked.endpoints(sp, eps)
+        _compile_port(out, sp, eps, cfg)
     return out
 
 

@@ -71,7 +71,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from . import text as ktext  # the restore-text rules (not a local ``text``)
+
 IPSET_MAXNAMELEN = 31  # IPSET_MAXNAMELEN is 32 in the kernel, including the NUL
+MAX_TIMEOUT = 2147483  # seconds: the largest timeout ipset accepts (UINT_MAX / 2 ms)
+_RANGE_RE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
 MAX_COMMENT = 255
 MAX_EXPANSION = 65536  # one entry may expand (ranges, CIDRs) to at most this many elements
 DEFAULT_PORT_RANGE = "0-65535"
@@ -115,7 +119,7 @@ class EntryError(IpsetError, ValueError):
         self.set_name = set_name
         self.entry = entry
         self.reason = reason
-        where = f"set {set_name}: " if set_name else ""
+        where = f"set {set_label(set_name)}: " if set_name else ""
         super().__init__(f"{where}bad entry {entry!r}: {reason}")
 
 
@@ -212,11 +216,48 @@ def temp_name(name: str, suffix: str = "-tmp") -> str:
     return f"{name[:keep]}-{digest}{suffix}"
 
 
-def check_name(name: str) -> None:
-    if not name or len(name) > IPSET_MAXNAMELEN:
-        raise IpsetError(f"invalid set name {name!r}: 1 to {IPSET_MAXNAMELEN} characters")
-    if any(ch.isspace() or ch in "\"'" for ch in name):
-        raise IpsetError(f"invalid set name {name!r}: no blanks or quotes")
+def check_name(name: str, field: str = "name") -> None:
+    try:
+        ktext.ipset_name(name, field)
+    except ktext.UnsafeText as e:
+        raise PlanError(f"invalid set name: {e}") from None
+
+
+def check_header(want: IPSet) -> None:
+    """Every header value a create line carries is one restore token (kernel/text.py):
+    a newline in ``range`` must not become a second command."""
+    try:
+        ktext.ipset_name(want.name, "name")
+        ktext.ipset_token(want.type, "type")
+        if want.family:
+            ktext.ipset_token(want.family, "family")
+        for attr, hi in (("hashsize", 1 << 31), ("maxelem", (1 << 32) - 1), ("timeout", MAX_TIMEOUT)):
+            value = getattr(want, attr)
+            if value is not None:
+                ktext.number(value, attr, 0 if attr == "timeout" else 1, hi)
+        if want.range is not None:
+            check_range(want.range, "range")
+        for key, value in want.options.items():
+            ktext.ipset_token(key, "options")
+            ktext.ipset_token(value, f"options.{key}")
+    except ktext.UnsafeText as e:
+        raise PlanError(f"set {set_label(want.name)}: {e}") from None
+
+
+def set_label(name: object) -> str:
+    """A set name for a message: as it is when valid, else quoted (no raw control characters)."""
+    if isinstance(name, str) and ktext._IPSET_NAME.fullmatch(name) and len(name) <= IPSET_MAXNAMELEN:
+        return name
+    return ktext.shown(name)
+
+
+def check_range(value: object, field: str = "range") -> str:
+    """A bitmap:port range ``lo-hi`` (or one port), 0-65535: ipset's own syntax, nothing else."""
+    m = _RANGE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None or int(m.group(1)) > 65535 or int(m.group(2) or m.group(1)) > 65535 \
+            or int(m.group(1)) > int(m.group(2) or m.group(1)):
+        raise ktext.UnsafeText(field, value, "not a port range lo-hi within 0-65535")
+    return value
 
 
 # ---------------------------------------------------------------------------- normalising
@@ -353,13 +394,16 @@ def normalize_entry(set_type: str, entry: str, family: str = "inet", *, port_ran
     :class:`EntryError` for anything ipset would refuse. Types not in ``TYPE_COMPONENTS``
     pass through unchanged.
     """
-    text = entry.strip()
-    if not text or any(ch.isspace() or ch == '"' for ch in text):
-        raise EntryError(set_name, entry, "empty, or contains blanks or quotes")
+    if not isinstance(entry, str):
+        raise EntryError(set_name, entry, f"expected a string, got {type(entry).__name__}")
+    value = entry.strip()
+    if not value or ktext._BARE_TOKEN.fullmatch(value) is None:
+        # One restore token (kernel/text.py): no blanks, quotes, controls or non-ASCII.
+        raise EntryError(set_name, entry, "empty, or contains blanks, quotes, control or non-ASCII characters")
     components = TYPE_COMPONENTS.get(set_type)
     if components is None:
-        return [text]
-    parts = text.split(",")
+        return [value]
+    parts = value.split(",")
     if len(parts) != len(components):
         want = ",".join(components).replace("bport", "port").replace("ip2", "ip")
         raise EntryError(set_name, entry, f"{set_type} entries have the form {want}")
@@ -403,15 +447,25 @@ def normalize_set_entries(s: IPSet, port_range: Optional[str] = None) -> Dict[st
 
 
 def check_entry_options(set_name: str, entry: str, opts: Mapping[str, str]) -> None:
+    """Entry options as restore tokens (kernel/text.py): the comment quoted, the rest bare."""
     comment = opts.get("comment")
     if comment is not None:
-        if '"' in comment or "\n" in comment:
-            raise EntryError(set_name, entry, 'a comment cannot contain " or a newline')
-        if len(comment) > MAX_COMMENT:
-            raise EntryError(set_name, entry, f"comment is longer than {MAX_COMMENT} characters")
+        try:
+            ktext.ipset_comment(comment, "comment")
+        except ktext.UnsafeText as e:
+            raise EntryError(set_name, entry, str(e)) from None
     timeout = opts.get("timeout")
-    if timeout is not None and not str(timeout).isdigit():
+    if timeout is not None and not (str(timeout).isascii() and str(timeout).isdigit()):
         raise EntryError(set_name, entry, f"timeout {timeout!r} is not a number of seconds")
+    for key, value in opts.items():
+        if key == "comment":
+            continue
+        try:
+            ktext.ipset_token(key, "option")
+            if key not in ENTRY_FLAGS:
+                ktext.ipset_token(str(value), key)
+        except ktext.UnsafeText as e:
+            raise EntryError(set_name, entry, str(e)) from None
 
 
 def _addr_key(text: str) -> Optional[Tuple[int, int]]:
@@ -647,7 +701,7 @@ def plan(current: Mapping[str, IPSet], desired: Iterable[IPSet] = (), *, exclusi
     result = Plan()
     remove = dict(remove or {})
     for want in desired:
-        check_name(want.name)
+        check_header(want)
         if want.type not in TYPE_COMPONENTS:
             raise PlanError(f"set {want.name}: unknown or unsupported set type {want.type!r}")
         if want.type.startswith("bitmap:") and want.range is None and current.get(want.name) is None:
@@ -665,6 +719,7 @@ def plan(current: Mapping[str, IPSet], desired: Iterable[IPSet] = (), *, exclusi
         drop = _normalize_removals(want, remove.pop(want.name, ()))
         _plan_set(result, current.get(want.name), want, entries, drop, current, exclusive, atomic, recreate)
     for name, entries in remove.items():
+        check_name(name)
         cur = current.get(name)
         if cur is None:
             result.sets[name] = SetChange(name, action="none")
@@ -676,11 +731,11 @@ def plan(current: Mapping[str, IPSet], desired: Iterable[IPSet] = (), *, exclusi
         change.after = _copy(cur, {e: o for e, o in cur.entries.items() if e not in drop})
         result.sets[name] = change
     for name in destroy:
+        check_name(name)
         cur = current.get(name)
         if cur is None:
             result.sets.setdefault(name, SetChange(name, action="none"))
             continue
-        check_name(name)
         result.lines.append(f"destroy {name}")
         result.sets[name] = SetChange(name, action="destroy", removed=sorted(cur.entries, key=entry_sort_key),
                                       before=cur, header_before=cur.header_text())
