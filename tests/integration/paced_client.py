@@ -10,13 +10,13 @@ after ``--duration`` seconds), each to an ``echo_server.py``, and prints, once i
 stopped, one JSON object per connection in start order::
 
     {"t": 1765100000.123456, "dt": 0.0012, "connect": 0.0004, "outcome": "ok", "backend": "be1",
-     "ip": "10.244.1.7", "error": null}
+     "ip": "10.244.1.7", "port": 40312, "error": null}
 
 ``t`` is the wall-clock time (``time.time()``, the clock the test records its own changes
 with) when the SYN was sent, ``dt`` how long the answer took, ``connect`` how long the TCP
 handshake took (null: never established; over 1 s: a SYN was lost and resent), ``ip`` the address the server
-was reached at after DNAT (the endpoint's identity), ``outcome`` as in ``echo_client.py``:
-ok, refused, unreachable, timeout, error.
+was reached at after DNAT (the endpoint's identity), ``port`` the client's source port,
+``outcome`` as in ``echo_client.py``: ok, refused, unreachable, timeout, error.
 
 One thread and non-blocking sockets, so connections that hang (rules flushed, packets
 dropped) do not slow the pace: a late start is recorded as late, never skipped. The run is
@@ -65,13 +65,14 @@ def parse_args(argv: list[str]) -> dict[str, float | str]:
 
 
 class Probe:
-    __slots__ = ("sock", "t", "start", "connected", "data", "record")
+    __slots__ = ("sock", "t", "start", "connected", "port", "data", "record")
 
     def __init__(self, sock: socket.socket, t: float, start: float) -> None:
         self.sock = sock
         self.t = t  # wall clock at the SYN
         self.start = start  # monotonic, for the timeout
         self.connected: float | None = None  # seconds from the SYN to the established connection
+        self.port = 0  # the source port the kernel chose
         self.data = b""
         self.record: dict[str, object] | None = None
 
@@ -84,7 +85,7 @@ class Probe:
                 outcome, error = "error", f"malformed reply {self.data[:60]!r}"
         self.record = {"t": round(self.t, 6), "dt": round(time.monotonic() - self.start, 6),
                        "connect": None if self.connected is None else round(self.connected, 6), "outcome": outcome,
-                       "backend": backend, "ip": ip, "error": error}
+                       "backend": backend, "ip": ip, "port": self.port, "error": error}
 
 
 def classify(exc: OSError) -> tuple[str, str]:
@@ -121,6 +122,10 @@ def run(host: str, port: int, rate: float, duration: float, count: int, timeout:
             probe = Probe(sock, time.time(), time.monotonic())
             probes.append(probe)
             code = sock.connect_ex((host, port))
+            try:
+                probe.port = sock.getsockname()[1]
+            except OSError:
+                pass
             if code not in (0, errno.EINPROGRESS):
                 probe.finish(*classify(OSError(code, "")))
                 sock.close()
