@@ -46,7 +46,6 @@ class RestoreError(KernelError):
     """iptables-restore refused its input (what upstream counts as a restore failure)."""
 
 
-
 @dataclass
 class Snapshot:
     rules: Dict[ChainKey, List[str]]  # KUBE-* chains and the built-in chains
