@@ -147,7 +147,11 @@ def _echo_log(node: Node, since: float, duration: float) -> None:
 
 
 def flush_scenario(node: Node, name: str, commands: List[List[str]], timeout: float) -> str:
-    # Break at a random phase of the 1 s check: wait a little after the last sync.
+    # Break while the sync thread is idle (a break during a running sync costs that sync
+    # first: its plan trusted a listing taken before the break), at some phase of the 1 s
+    # check: after the next sync ends, wait a little.
+    count = len(node.rec.syncs)
+    wait(lambda: len(node.rec.syncs) > count, 30)
     time.sleep(1.3)
     before = len(node.rec.syncs)
     t_break = time.time()

@@ -386,3 +386,12 @@ def test_ordinary_failure_still_backs_off_into_a_full_sync(running):
     time.sleep(0.8)
     assert [full for _t, full in calls] == [True, False, True]
     assert calls[2][0] - calls[1][0] >= 0.45
+
+
+def test_a_section_naming_many_chains_as_targets_is_bulk():
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import bulk_restore_text
+
+    rules = "".join(f"-A KUBE-SERVICES -d 10.96.0.{i}/32 -j KUBE-SVC-{i:016d}\n" for i in range(5))
+    text = f"*nat\n:KUBE-SERVICES - [0:0]\n{rules}COMMIT\n"
+    assert bulk_restore_text(text, threshold=6).startswith("*nat\n-Z\n")  # 1 declared + 5 targets
+    assert "-Z" not in bulk_restore_text(text, threshold=7)

@@ -212,9 +212,11 @@ def is_lock_busy(returncode: int, stderr: str) -> bool:
 
 
 def bulk_restore_text(text: str, threshold: int = BULK_CHAINS) -> str:
-    """Add ``-Z`` to each table section that declares ``threshold`` chains or more, so
-    iptables-nft uses its whole-table cache (see the module docstring). It zeroes that
-    table's packet counters; smaller sections, i.e. partial syncs, are left as they are."""
+    """Add ``-Z`` to each table section that names ``threshold`` chains or more (declared,
+    or as the target of a rule: a rewrite of KUBE-SERVICES alone names every service
+    chain), so iptables-nft uses its whole-table cache (see the module docstring). It
+    zeroes that table's packet counters; smaller sections, i.e. partial syncs, are left
+    as they are."""
     lines = text.split("\n")
     out: List[str] = []
     start = 0
@@ -222,11 +224,20 @@ def bulk_restore_text(text: str, threshold: int = BULK_CHAINS) -> str:
         if line.startswith("*"):
             start = len(out)
         elif line == "COMMIT":
-            section = out[start + 1:]
-            if sum(1 for s in section if s.startswith(":")) >= threshold:
+            if _chains_named(out[start + 1:]) >= threshold:
                 out.insert(start + 1, "-Z")
         out.append(line)
     return "\n".join(out)
+
+
+def _chains_named(section: List[str]) -> int:
+    names = set()
+    for line in section:
+        if line.startswith(":"):
+            names.add(line[1:].split(" ", 1)[0])
+        elif " -j KUBE-" in line:
+            names.add(line.rsplit(" -j ", 1)[1].split(" ", 1)[0])
+    return len(names)
 
 
 def parse_save(text: str, table: str) -> Tuple[Dict[ChainKey, List[str]], Set[ChainKey]]:
