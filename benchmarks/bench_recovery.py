@@ -188,7 +188,12 @@ def lock_scenario(node: Node, hold: float) -> str:
         fcntl.flock(f, fcntl.LOCK_UN)
         t_release = time.time()
     back = wait(lambda: node.ok_after(t_release, "be2"), 30)
-    caught = next(((t, r) for t, r in node.rec.syncs if t >= t_release), None)
+    if VERBOSE:
+        for t, msg in node.rec.lines:
+            if t >= t_hold - 2:
+                print(f"    {t - t_release:+.2f}s {msg[:300]}", flush=True)
+    # The sync that applied the change ends after its restore (canaries, bookkeeping).
+    caught = wait(lambda: next(((t, r) for t, r in node.rec.syncs if t >= t_release), None), 30)
     during = [(t, r) for t, r in node.rec.syncs if t_hold <= t < t_release]
     fails = sum(1 for t, m in node.rec.lines if t_hold <= t and "sync failed" in m)
     return (f"L: lock held {t_release - t_hold:.1f} s, {fails} failed attempts (lock), {len(during)} syncs during"

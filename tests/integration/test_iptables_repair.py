@@ -53,6 +53,7 @@ def start(lab, sync_period, binary="iptables", diff_max_chains=None, wait_second
     daemon.start()
     lab.daemon, lab.rec, lab.logs, lab.kernel = daemon, rec, logs, kernel
     assert wait_for(lambda: set(backends(lab, 10)) == {"be1", "be2"}, 10)
+    assert wait_for(lambda: rec.results, 5)  # the first sync is over (its canaries written too)
     return daemon
 
 
