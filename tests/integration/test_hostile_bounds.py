@@ -38,7 +38,8 @@ def peak_rss_mb(argv, timeout=120.0):
             "sys.stderr.buffer.write(err)\n"
             "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, "
             "time.monotonic() - t)\n")
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout,
+                          check=False)
     rc, rss, seconds = proc.stdout.split()[-3:]
     return int(rc), proc.stderr, float(rss), float(seconds)
 

@@ -221,6 +221,18 @@ class FakeIptables:
     def rules(self, table: str, chain: str) -> List[str]:
         return list(self.tables[table].get(chain, []))
 
+    # The canary and dispatch checks of IptablesKernel (kernel/iptables.py), in memory.
+    def missing_canaries(self, tables=("mangle", "nat", "filter")) -> List[str]:
+        return [t for t in tables if "KUBE-PROXY-CANARY" not in self.tables.get(t, {})]
+
+    def create_canaries(self, tables) -> None:
+        for t in tables:
+            self.tables.setdefault(t, {})["KUBE-PROXY-CANARY"] = []
+
+    def first_rule(self, table: str, chain: str):
+        rules = self.tables.get(table, {}).get(chain)
+        return None if rules is None else (rules[0] if rules else "")
+
 
 class FakeSysctls:
     def __init__(self) -> None:

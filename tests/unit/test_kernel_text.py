@@ -115,8 +115,8 @@ def test_every_byte_in_every_field_is_refused_by_name_or_written_as_one_token(fi
     base_ports, base_eps = service({})
     base_value = prefix + clean + suffix
     base_ipt = iptables_restore(iptables_text(base_ports, base_eps))
-    base_sets, base_ipvs_rules = (f(t) for f, t in zip((ipset_restore, iptables_restore),
-                                                        ipvs_texts(base_ports, base_eps)))
+    sets_text, ipvs_rules_text = ipvs_texts(base_ports, base_eps)
+    base_sets, base_ipvs_rules = ipset_restore(sets_text), iptables_restore(ipvs_rules_text)
     refused = written = 0
     for ch in BYTES:
         value = prefix + ch + suffix
@@ -228,7 +228,7 @@ def module_params(option: str, value: Any) -> Dict[str, Any]:
 def test_every_byte_in_every_ipset_entry_option_is_refused_by_name_or_one_token(option):
     _base, prefix, clean, suffix = MODULE_CASES[option]
     base_value = prefix + clean + suffix
-    typed = (lambda s: int(s)) if option in ("timeout", "hashsize", "maxelem") else (lambda s: s)
+    typed = int if option in ("timeout", "hashsize", "maxelem") else (lambda s: s)
     base = run_ipset_entry(module_params(option, typed(base_value)))
     assert not base.get("failed"), base
     base_cmds = ipset_restore(base["restore_input"])
@@ -261,8 +261,8 @@ def maybe(valid):
        cluster_ip=maybe(["172.30.0.41", "fd00::1"]), ext=maybe(["192.168.99.22"]), cidr=maybe(["203.0.113.0/25"]),
        ep_ip=maybe(["10.180.0.29"]), proto=maybe(["TCP", "UDP"]),
        port=st.one_of(st.integers(-5, 70000), HOSTILE))
-def test_property_compilers_refuse_by_field_or_write_only_well_formed_commands(ns, name, pname, cluster_ip, ext,
-                                                                             cidr, ep_ip, proto, port):
+def test_property_compilers_refuse_by_field_or_write_only_well_formed_commands(
+        ns, name, pname, cluster_ip, ext, cidr, ep_ip, proto, port):
     ports, eps = service({"metadata.namespace": ns, "metadata.name": name, "spec.ports[1].name": pname,
                           "spec.clusterIP": cluster_ip, "spec.externalIPs[0]": ext,
                           "spec.loadBalancerSourceRanges[0]": cidr, "endpoints[1].addresses[0]": ep_ip,

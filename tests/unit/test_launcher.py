@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -47,6 +48,7 @@ def plant(collections: Path, marker: Path, top: Path) -> None:
     its link to."""
     as_nobody(f"""
 import os
+import pwd
 c = {str(collections)!r}
 os.makedirs(os.path.join(c, "ansible_collections", "kubenode"), exist_ok=True)
 with open(os.path.join(c, "ansible_collections", "__init__.py"), "w") as f:
@@ -137,14 +139,19 @@ def test_a_private_directory_below_a_sticky_one_is_accepted_and_made_private(pri
     assert os.path.realpath(collections / "ansible_collections" / "kubenode" / "proxy") == str(ROOT)
 
 
-def test_a_directory_not_private_below_a_sticky_one_is_refused(private: Path) -> None:
-    # Ours but 0755 directly in /tmp: refused (only a private child makes a sticky parent
-    # acceptable), so the rule does not depend on who else can read or traverse it.
+def test_a_root_directory_below_a_sticky_one_is_accepted_one_of_another_user_is_not(private: Path) -> None:
+    # Ours and 0755 directly in /tmp (a checkout cloned there, as CI may): nobody else can
+    # rename it (sticky /tmp) or write in it, so it is accepted.
     private.chmod(0o755)
     proc = launch({"XDG_CACHE_HOME": str(private / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    # The same directory owned by another user: refused, whatever its mode.
+    nobody = pwd.getpwnam("nobody")
+    os.chown(private, nobody.pw_uid, nobody.pw_gid)
+    proc = launch({"XDG_CACHE_HOME": str(private / "cache")})
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert "/tmp is writable by group or others (mode 1777); below a sticky directory only a private " \
-           "(0700) directory of uid 0 is accepted" in proc.stderr
+    assert "/tmp is writable by group or others (mode 1777); below a sticky directory only a directory of " \
+           "uid 0 or root is accepted" in proc.stderr
 
 
 def test_without_a_usable_home_a_fresh_private_directory_is_used_and_removed(private: Path) -> None:

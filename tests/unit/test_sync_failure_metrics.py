@@ -30,7 +30,7 @@ OURS = "kubenode_proxy_sync_failures_total"
 def counters(hooks: NodeHooks) -> dict:
     values = {}
     for line in hooks.metrics.render().splitlines():
-        name, _, value = line.partition(" ")
+        name, _sep, value = line.partition(" ")
         if name in (RESTORE, PARTIAL, OURS):
             values[name] = float(value)
     return values

@@ -62,7 +62,10 @@ class Daemon:
         self.log = log
         self.hooks = hooks or Hooks()
         self._queue: Deque[_Item] = collections.deque()
-        self.runner = BoundedFrequencyRunner(self._sync, min_period, sync_period, on_error=self._sync_failed)
+        check = getattr(proxier, "check", None)  # the canary check (iptables mode)
+        self.runner = BoundedFrequencyRunner(self._sync, min_period, sync_period, on_error=self._sync_failed,
+                                             check=self._check if check else None,
+                                             on_check_error=lambda e: self.log(f"canary check failed: {e}"))
         self.rejected: Dict[str, str] = {}  # object key -> error, while it stays bad
         self._refused: Dict[str, str] = {}  # service key -> why the compiler refused it (last sync)
         self.last_result: Optional[SyncResult] = None
@@ -208,10 +211,19 @@ class Daemon:
             count = len(self.rejected) + len(refused)
             self.log(result.summary() + what + (f"; {count} objects rejected" if count else ""))
 
+    def _check(self) -> bool:
+        needed = self.proxier.check()
+        if needed:
+            self.log(f"{self.proxier.pending_repair}: our rules were flushed or deleted, repairing now")
+        return needed
+
     def _sync_failed(self, error: BaseException) -> None:
         self.sync_failures += 1
         self.hooks.sync_failed(error)
-        self.log(f"sync failed, retrying with a full sync: {error}")
+        if getattr(error, "retry_soon", False):
+            self.log(f"sync failed, retrying soon: {error}")
+        else:
+            self.log(f"sync failed, retrying with a full sync: {error}")
 
 
 class Hooks:

@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Tuple
 
-from .validation import (  # noqa: F401 - ValidationError is part of this module's interface
+# ValidationError is part of this module's interface (re-exported).
+from .validation import (  # noqa: F401 pylint: disable=unused-import
     ValidationError,
     dns1035_label,
     dns1123_subdomain,

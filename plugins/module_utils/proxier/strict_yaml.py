@@ -109,7 +109,7 @@ def strict_loader(libyaml: bool = True) -> Any:
     class StrictLoader(BoundedComposer, base):  # type: ignore[misc,valid-type]
         def __init__(self, stream: Any) -> None:
             base.__init__(self, stream)  # CSafeLoader's does not call Composer's: set its state here
-            Composer.__init__(self)
+            Composer.__init__(self)  # pylint: disable=non-parent-init-called
 
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: dict = {}

@@ -1,5 +1,6 @@
 # Copyright (c) kubenode.proxy contributors
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# pylint: disable=unidiomatic-typecheck  # `type(v) is int` on purpose: bool and subclasses are refused
 """The compilers' second line of defence: every field of a ServicePort and its endpoints
 that reaches kernel tool input is checked against kernel/text.py's rules before a rule or
 an ipset entry is written. model.py validates objects as the API server does; objects

@@ -336,7 +336,7 @@ def _compile_cluster_ip_port(out: ServiceRules, svc: ServicePort, eps: Sequence[
             host = ip + "/32"
         except (OSError, ValueError, TypeError):
             port = host = ""
-        if type(port) is not int or not 0 < port < 65536:
+        if type(port) is not int or not 0 < port < 65536:  # pylint: disable=unidiomatic-typecheck
             checked.endpoint(svc, i, ep)  # raises, or returns for an IPv6 address
             host = _host(ip)
         dest = ep.addr

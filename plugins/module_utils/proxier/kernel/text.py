@@ -1,5 +1,6 @@
 # Copyright (c) kubenode.proxy contributors
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# pylint: disable=unidiomatic-typecheck  # `type(v) is int` on purpose: bool and subclasses are refused
 """The one place that decides what may go into kernel tool input text: ``iptables-restore``,
 ``ipset restore`` and (prepared for the nftables mode) ``nft -f``. Leaf module: imports
 nothing of the project.
