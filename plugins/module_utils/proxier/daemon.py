@@ -256,7 +256,7 @@ class Hooks:
 
 class ManifestsWatcher:
     """Follows a manifests directory on its own thread: every ``interval`` it stats the
-    files (a directory of a few files: tens of microseconds), re-reads only those whose
+    files (a directory of a few files: well under a millisecond), re-reads only those whose
     name, size, mtime or inode changed, and hands the daemon the object deltas
     (sources.manifests.DirectoryTracker) as one batch whose trigger times are the
     changed files' mtimes. Parsing never runs on the sync thread, and the daemon's
