@@ -256,3 +256,17 @@ def test_programming_latency_counts_from_the_files_mtime(tmp_path):
     watcher.poll()
     d._sync(False)
     assert len(hooks.values) == 1 and 0.2 <= hooks.values[0] < 1.0, hooks.values
+
+
+def test_a_fifo_named_like_a_manifest_is_named_and_does_not_hang_the_reader(tmp_path, tracker):
+    import threading
+
+    os.mkfifo(tmp_path / "pipe.yaml")
+    write(tmp_path / "ok.yaml", [svc("web", "10.96.0.10")])
+    result = []
+    t = threading.Thread(target=lambda: result.append(tracker.poll()), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the reader blocked opening a FIFO"
+    assert names(result[0]) == [("Service", "ADDED", "default/web")]
+    assert any(f"{tmp_path / 'pipe.yaml'}: cannot parse: not a regular file" in m for m in tracker.logs)

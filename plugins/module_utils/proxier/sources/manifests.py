@@ -6,6 +6,7 @@ and Nodes (one or many documents per file, or ``kind: List``)."""
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -57,8 +58,12 @@ def _what(value: Any) -> str:
 def read_text(path: str, max_bytes: int) -> str:
     """A file's text, refused (ValueError naming the file's problem) when it is larger than
     ``max_bytes`` or not UTF-8. Reads at most ``max_bytes + 1`` bytes, whatever the size."""
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
+    # O_NONBLOCK: a FIFO or device put where a manifest belongs must not hang the reader.
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
         if size > max_bytes:
             raise ValueError(f"{size} bytes, more than the limit of {max_bytes} (--manifests-max-file-bytes)")
         data = fh.read(max_bytes + 1)  # the file may grow between the stat and the read
