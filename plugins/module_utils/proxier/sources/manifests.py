@@ -76,11 +76,15 @@ def read_text(path: str, max_bytes: int) -> str:
 
 
 def _documents(path: str, max_bytes: int) -> Tuple[List[Tuple[str, Any]], List[str]]:
-    from ..strict_yaml import load_all_list
+    from ..strict_yaml import load_all_list, load_json
 
     objects: List[Tuple[str, Any]] = []
     errors: List[str] = []
-    for i, doc in enumerate(load_all_list(read_text(path, max_bytes))):
+    text = read_text(path, max_bytes)
+    # JSON first where the name says JSON (the C parser; same bounds), YAML otherwise or
+    # when a .json file turns out not to be JSON (YAML reads it as before).
+    docs = load_json(text) if path.endswith(".json") else None
+    for i, doc in enumerate(docs if docs is not None else load_all_list(text)):
         origin = f"{path}#{i}"
         if doc is None:  # an empty document (a trailing "---"): nothing, as kubectl
             continue
