@@ -92,7 +92,7 @@ def populate(state):
 BUILTIN = {"INPUT", "FORWARD", "OUTPUT", "PREROUTING", "POSTROUTING"}
 
 
-def kube_rules(ns, skip=("KUBE-FIREWALL",)):
+def kube_rules(ns, skip=("KUBE-FIREWALL", "KUBE-PROXY-CANARY")):
     """Our chains and jumps as the kernel has them. Built-in chains are listed in reverse:
     each jump was inserted at the top, in the compiled order (upstream's Prepend)."""
     rules = {}
@@ -164,6 +164,12 @@ def test_switch_from_iptables_mode_and_cleanup(node, lab):
     state.mark_all_changed()
     proxier.sync(force_full=True)
     assert render(kube_rules(ns), include_builtin=True) == render(proxier.agg.rules(CFG), include_builtin=True)
+    # The canaries (beside the ruleset, as upstream's IPVS proxier makes them) and the
+    # every-second check that finds them gone.
+    assert kernel.missing_canaries() == [] and not proxier.check()
+    lab.iptables_restore("*mangle\n-X KUBE-PROXY-CANARY\nCOMMIT\n")
+    assert proxier.check() and "mangle" in proxier.pending_repair
+    assert proxier.sync().full and kernel.missing_canaries() == []
     text = save(ns)
     for gone in ("KUBE-SVC-", "KUBE-SEP-", "KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-EXT-"):
         assert gone not in text, gone

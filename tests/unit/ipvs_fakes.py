@@ -90,6 +90,9 @@ class FakeLink:
         self.addrs: Set[str] = set()
         self.calls: List[str] = []
 
+    def index(self):
+        return 7 if self.exists else None  # DummyLink.index(): the ifindex, None when gone
+
     def ensure(self) -> bool:
         created = not self.exists
         self.exists = True

@@ -87,6 +87,33 @@ def test_manifests_bomb_deep_and_non_objects_are_named_the_rest_loads(tmp_path):
     assert len(loaded.errors) == 7
 
 
+def test_json_files_take_the_json_parser_with_the_same_bounds(tmp_path, monkeypatch):
+    svc = '{"kind": "Service", "metadata": {"name": "web", "namespace": "d"}, ' \
+          '"spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}}'
+    (tmp_path / "a.json").write_text(svc)
+    calls = []
+    monkeypatch.setattr(strict_yaml, "load_all_list", lambda text: calls.append(text) or [])
+    assert [obj["metadata"]["name"] for _origin, obj in read_file(str(tmp_path / "a.json"))] == ["web"]
+    assert calls == []  # the C json parser read it, not the (Python) bounded YAML composer
+    monkeypatch.undo()
+    # Repeated keys and depth are refused as on the YAML path.
+    (tmp_path / "dup.json").write_text('{"kind": "Service", "kind": "Node"}')
+    with pytest.raises(ValueError, match="duplicate key 'kind'"):
+        read_file(str(tmp_path / "dup.json"))
+    (tmp_path / "deep.json").write_text("[" * 101 + "]" * 101)
+    with pytest.raises(ValueError, match="nesting deeper than 100 levels"):
+        read_file(str(tmp_path / "deep.json"))
+    (tmp_path / "ok.json").write_text("[" * 100 + "]" * 100)
+    assert strict_yaml.load_json((tmp_path / "ok.json").read_text()) is not None
+    (tmp_path / "deeper.json").write_text("[" * 5000 + "]" * 5000)  # past the json module's recursion
+    with pytest.raises(ValueError, match="nesting deeper"):
+        read_file(str(tmp_path / "deeper.json"))
+    # A .json file that is YAML is read as YAML, as before.
+    (tmp_path / "y.json").write_text("kind: Service\nmetadata: {name: web2, namespace: d}\n"
+                                     "spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n")
+    assert [obj["metadata"]["name"] for _origin, obj in read_file(str(tmp_path / "y.json"))] == ["web2"]
+
+
 def test_manifests_file_size_limit(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text(GOOD + "#" * 1000 + "\n")

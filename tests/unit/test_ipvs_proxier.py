@@ -299,3 +299,18 @@ def test_leftover_lines_for_cleanup_keep_foreign_rules():
     assert deletes["nat"] == ['-D OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
                               "-X KUBE-SERVICES"]
     assert len(changes) == 2
+
+
+def test_check_finds_a_missing_canary_or_link_and_the_next_sync_repairs_both():
+    n = Node()
+    n.web()
+    assert not n.proxier.check()  # no sync yet: nothing to look at
+    n.proxier.sync()
+    assert n.ipt.missing_canaries() == [] and not n.proxier.check()
+    del n.ipt.tables["nat"]["KUBE-PROXY-CANARY"]  # a firewall reload
+    assert n.proxier.check() and n.proxier.pending_repair == "canary KUBE-PROXY-CANARY missing in nat"
+    assert n.proxier.sync().full and n.ipt.missing_canaries() == []
+    n.link.delete()  # someone removed kube-ipvs0 (and with it the VIPs)
+    assert n.proxier.check() and "kube-ipvs0" in n.proxier.pending_repair
+    r = n.proxier.sync()
+    assert r.full and n.link.exists and n.link.addrs == {"10.96.0.10"} and not n.proxier.check()

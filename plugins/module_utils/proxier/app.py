@@ -232,7 +232,7 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks, family=served_family(cfg))
     hooks.pending = daemon.has_pending
     if args.manifests:
-        source: Any = ManifestsWatcher(args.manifests, daemon.on_relist, log,
+        source: Any = ManifestsWatcher(args.manifests, daemon.on_batch, log,
                                        max_file_bytes=getattr(args, "manifests_max_file_bytes", None))
         what = f"manifests directory {args.manifests}"
     else:

@@ -14,12 +14,11 @@ servers, and removes stale UDP/SCTP conntrack entries.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .iptables_proxier import IptablesProxier, SyncResult
 from .model import Skipped, ValidationError, parse_endpoint_slice, parse_node, parse_service
@@ -34,11 +33,11 @@ LogFn = Callable[[str], None]
 
 @dataclass
 class _Item:
-    op: str  # "event" or "relist"
+    op: str  # "event", "relist" or "batch"
     kind: str
     etype: str
-    obj: Any  # a dict for events, a list of dicts for a relist
-    seen: float  # wall clock when the change was seen (or its trigger time)
+    obj: Any  # a dict for events, a list of dicts for a relist, of (kind, etype, dict) for a batch
+    seen: Any  # wall clock when the change was seen (or its trigger time); a list for a batch
 
 
 def _trigger_time(obj: Any, default: float) -> float:
@@ -71,6 +70,9 @@ class Daemon:
         self.last_result: Optional[SyncResult] = None
         self.sync_failures = 0
         self._thread: Optional[threading.Thread] = None
+        # As upstream's change tracker: trigger times from before the proxy started (an
+        # old annotation, a manifests file written last week) are not programming latency.
+        self._started = time.time()
 
     # --- intake (any thread, never blocks on a sync) --------------------------------
 
@@ -82,6 +84,20 @@ class Daemon:
     def on_relist(self, kind: str, objects: List[Dict[str, Any]]) -> None:
         self._queue.append(_Item("relist", kind, "", objects, time.time()))
         self.hooks.queued(kind, len(objects))
+        self.runner.request()
+
+    def on_batch(self, events: List[Tuple[str, str, Dict[str, Any]]], triggers: List[float]) -> None:
+        """Deltas (kind, ADDED/MODIFIED/DELETED, object) applied together, in one sync:
+        ``triggers`` are when the changes were made (a manifests file's mtime), one
+        programming-latency observation each. Same intake rules as on_event."""
+        if not events:
+            return
+        self._queue.append(_Item("batch", "", "", list(events), list(triggers)))
+        counts: Dict[str, int] = {}
+        for kind, _etype, _obj in events:
+            counts[kind] = counts.get(kind, 0) + 1
+        for kind, count in counts.items():
+            self.hooks.queued(kind, count)
         self.runner.request()
 
     def has_pending(self) -> bool:
@@ -105,6 +121,15 @@ class Daemon:
         node_changed = False
         while self._queue:
             item = self._queue.popleft()
+            if item.op == "batch":
+                seen.extend(item.seen)
+                for kind, etype, obj in item.obj:
+                    one = _Item("event", kind, etype, obj, 0.0)
+                    if kind == "Node":
+                        node_changed = self._apply_node(one) or node_changed
+                    else:
+                        self._apply_event(one)
+                continue
             seen.append(item.seen)
             if item.kind == "Node":
                 node_changed = self._apply_node(item) or node_changed
@@ -178,6 +203,8 @@ class Daemon:
             self.state.replace_slices(good)
 
     def _apply_node(self, item: _Item) -> bool:
+        if item.op != "relist" and object_identity(item.obj, "Node", namespaced=False)[1] != self.state.hostname:
+            return False  # another node's event (a manifests directory may hold several)
         objs = item.obj if item.op == "relist" else ([] if item.etype == "DELETED" else [item.obj])
         node = None
         for obj in objs:
@@ -198,7 +225,7 @@ class Daemon:
         result = self.proxier.sync(force_full=full or node_changed)
         now = time.time()
         self.last_result = result
-        self.hooks.synced(result, [now - t for t in seen])
+        self.hooks.synced(result, [now - t for t in seen if t >= self._started])
         refused = getattr(result, "rejected", {})
         for key in sorted(refused):  # named once per new reason, like a rejected object
             if self._refused.get(key) != refused[key]:
@@ -247,74 +274,31 @@ class Hooks:
 
 
 class ManifestsWatcher:
-    """Follows a manifests directory: a change of any file's name, size or mtime makes a
-    reload, handed to the daemon as a relist of every kind."""
+    """Follows a manifests directory on its own thread: every ``interval`` it stats the
+    files (a directory of a few files: well under a millisecond), re-reads only those whose
+    name, size, mtime or inode changed, and hands the daemon the object deltas
+    (sources.manifests.DirectoryTracker) as one batch whose trigger times are the
+    changed files' mtimes. Parsing never runs on the sync thread, and the daemon's
+    intake only queues the batch."""
 
-    def __init__(self, directory: str, on_relist: Callable[[str, List[Dict[str, Any]]], None], log: LogFn,
-                 interval: float = 1.0, max_file_bytes: Optional[int] = None) -> None:
-        from .sources.manifests import DEFAULT_MAX_FILE_BYTES
+    def __init__(self, directory: str, on_batch: Callable[[List[Tuple[str, str, Dict[str, Any]]], List[float]], None],
+                 log: LogFn, interval: float = 0.2, max_file_bytes: Optional[int] = None) -> None:
+        from .sources.manifests import DirectoryTracker
 
         self.directory = directory
-        self.max_file_bytes = DEFAULT_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes
-        self.on_relist = on_relist
+        self.tracker = DirectoryTracker(directory, log, max_file_bytes)
+        self.on_batch = on_batch
         self.log = log
         self.interval = interval
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._fingerprint: Optional[Tuple] = None
-        self._file_errors: Set[str] = set()
-        self._last_good: Dict[str, List[Tuple[str, Any]]] = {}  # per file: its last parsed documents
-
-    def fingerprint(self) -> Tuple:
-        entries = []
-        for root, dirs, files in os.walk(self.directory):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(files):
-                if name.startswith("."):
-                    continue
-                try:
-                    st = os.stat(os.path.join(root, name))
-                except OSError:
-                    continue
-                entries.append((root, name, st.st_size, st.st_mtime_ns))
-        return tuple(entries)
 
     def poll(self) -> bool:
-        fp = self.fingerprint()
-        if fp == self._fingerprint:
-            return False
-        self._fingerprint = fp
-        from .sources.manifests import manifest_files, read_file_checked
-
-        # A file that stops parsing (a typo, an editor's half-written save) keeps the
-        # objects it last had: dropping them would delete its services from the node.
-        objects: List[Tuple[str, Any]] = []
-        errors: List[str] = []
-        good: Dict[str, List[Tuple[str, Any]]] = {}
-        for path in manifest_files(self.directory):
-            try:
-                good[path], rejected = read_file_checked(path, self.max_file_bytes)
-                errors.extend(rejected)  # documents that are not objects: named, the rest of the file loads
-            except Exception as e:
-                kept = self._last_good.get(path)
-                errors.append(f"{path}: cannot parse: {e}; "
-                              + ("keeping its last good version" if kept is not None else "skipped"))
-                if kept is not None:
-                    good[path] = kept
-            objects.extend(good.get(path, ()))
-        self._last_good = good
-        for err in errors:
-            if err not in self._file_errors:
-                self.log(f"rejected {err}")
-        self._file_errors = set(errors)
-        by_kind: Dict[str, List[Dict[str, Any]]] = {"Service": [], "EndpointSlice": [], "Node": []}
-        for _origin, obj in objects:
-            kind = obj.get("kind") if isinstance(obj, dict) else None
-            if kind in by_kind:
-                by_kind[kind].append(obj)
-        for kind, objs in by_kind.items():
-            self.on_relist(kind, objs)
-        return True
+        """One scan; True when it handed over changes."""
+        changes = self.tracker.poll()
+        if changes.events:
+            self.on_batch(changes.events, changes.triggers)
+        return bool(changes.events)
 
     def start(self) -> None:
         self.poll()
@@ -322,11 +306,15 @@ class ManifestsWatcher:
         self._thread.start()
 
     def _run(self) -> None:
+        last_error = ""
         while not self._stop.wait(self.interval):
             try:
                 self.poll()
-            except Exception as e:  # e.g. the directory vanished: keep the last state
-                self.log(f"manifests: {e}")
+                last_error = ""
+            except Exception as e:  # e.g. the directory vanished: keep the last state, say so once
+                if str(e) != last_error:
+                    self.log(f"manifests: {e}")
+                last_error = str(e)
 
     def stop(self) -> None:
         self._stop.set()

@@ -274,10 +274,13 @@ def parse_cidr(value: Any) -> IPNetwork:
     return ipaddress.ip_network(f"{ip}/{bits}", strict=False)
 
 
+_V4_LINK_LOCAL_MULTICAST = ipaddress.ip_network("224.0.0.0/24")  # built once: every endpoint address is checked
+
+
 def _link_local_multicast(ip: IPAddress) -> bool:
     # Go's net.IP.IsLinkLocalMulticast: 224.0.0.0/24 and ff02::/16 with any flags (ffX2::).
     if ip.version == 4:
-        return ip in ipaddress.ip_network("224.0.0.0/24")
+        return ip in _V4_LINK_LOCAL_MULTICAST
     packed = ip.packed
     return packed[0] == 0xFF and packed[1] & 0x0F == 0x02
 
