@@ -510,7 +510,8 @@ def test_xtables_lock_held_10s_caught_up_within_5s(bulk_file, tmp_path, measurem
             f"caught up " + (f"{catch_up:.2f} s after release" if catch_up is not None else "NOT by the end")
             + f" (bound {LOCK_BOUND:g} s); failed {len(failed)}; daemon log mentions the lock {waits} times")
         assert during and not [c for c in during if c.ip in new], "the change went through the held lock"
-        assert not failed, f"{len(failed)} failed connections, e.g. {failed[:5]}"
+        assert not failed, (f"{len(failed)} failed connections; SYN times relative to the release: "
+                            f"{bursts(failed, released_at)}; e.g. {failed[:2]}")
         assert catch_up is not None, "the change made during the hold never reached the kernel"
         assert catch_up <= LOCK_BOUND, f"caught up {catch_up:.2f} s after release, bound {LOCK_BOUND} s"
     finally:
