@@ -6,6 +6,10 @@
   (``pytest_sessionstart`` and, in case this conftest was not loaded at
   session start, the first integration test).
 * ``lab`` yields a fresh :class:`lab.Lab` per test and always closes it.
+* ``slow`` marks scale tests that take minutes (the default run, and so CI, includes them
+  once; ``-m "not slow"`` leaves them out locally). Lines a test appends to the
+  ``measurements`` fixture are printed in a "measured" section of the summary, so CI logs
+  carry the numbers even when the test passes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,26 @@ def skip_reason() -> str | None:
         return f"'ip netns add' is unavailable: {str(detail).strip()}"
     subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=10)
     return None
+
+
+MEASUREMENTS: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: a scale test of minutes; included by default, -m 'not slow' skips it")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
+    if MEASUREMENTS:
+        terminalreporter.section("measured")
+        for line in MEASUREMENTS:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def measurements() -> list[str]:
+    """Append human-readable measured numbers; printed at the end of the run."""
+    return MEASUREMENTS
 
 
 @functools.cache
