@@ -69,6 +69,7 @@ class Snapshot:
     rules: Dict[ChainKey, List[str]]  # KUBE-* chains and the built-in chains
     chains: Set[ChainKey]  # every chain that exists in the scanned tables
     complete: bool = True  # False: only the built-in chains' rules were read
+    listed: bool = True  # False: ``chains`` was not read either (builtin_snapshot())
 
 
 class IptablesKernel:
@@ -141,6 +142,19 @@ class IptablesKernel:
                 if (table, chain) in chains:
                     rules[(table, chain)] = self.list_rules(table, chain)
         return Snapshot(rules, chains, complete=False)
+
+    def builtin_snapshot(self, tables: Sequence[str] = TABLES) -> Snapshot:
+        """The built-in chains' rules only, without listing the chains (0.4-0.6 s at 40,000
+        chains): what a periodic check of a large table reads most of the time. A built-in
+        chain that cannot be read is left out (the caller's check then fails)."""
+        rules: Dict[ChainKey, List[str]] = {}
+        for table in tables:
+            for chain in BUILTIN_BY_TABLE[table]:
+                try:
+                    rules[(table, chain)] = self.list_rules(table, chain)
+                except KernelError:
+                    continue
+        return Snapshot(rules, set(), complete=False, listed=False)
 
     def _list(self, table: str, chain: str, *extra: str) -> Tuple[int, str, str]:
         proc = self._run(self._argv("", "-w", str(self.check_wait_seconds), "-t", table, "-S", chain, *extra),
