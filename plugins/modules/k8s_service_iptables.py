@@ -22,6 +22,8 @@ description:
     M(kubernetes.core.k8s_info) returns them) or with flat options (O(name), O(cluster_ip), O(ports), ...).
 author:
   - kubenode.proxy developers (@kubenode)
+extends_documentation_fragment:
+  - kubenode.proxy.attributes.platform
 attributes:
   check_mode:
     description: Computes the change from the kernel's current rules and reports it without applying it.
@@ -222,10 +224,16 @@ changes:
   returned: always
   type: list
   elements: str
+  sample:
+    - "+ nat chain KUBE-SVC-CDGGSHYLG3RE2FKL (3 rules)"
+    - "+ nat KUBE-SERVICES: -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"shop/web:http cluster IP\"
+      -m tcp --dport 80 -j KUBE-SVC-CDGGSHYLG3RE2FKL"
 restore_input:
   description: The iptables-restore input that was (or in check mode would be) applied.
   returned: always
   type: str
+  sample: "*nat\n:KUBE-SVC-CDGGSHYLG3RE2FKL - [0:0]\n-A KUBE-SVC-CDGGSHYLG3RE2FKL ...
+    -j KUBE-SEP-UIQK3OSOSTRHRPBX\nCOMMIT\n"
 sysctls:
   description: Sysctls that were (or in check mode would be) changed, as C(old -> new).
   returned: always
