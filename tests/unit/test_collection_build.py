@@ -60,7 +60,7 @@ def built(tmp_path_factory):
 
 
 def test_tarball_has_no_cache_local_state_or_developer_tools(built):
-    names, _ = built
+    names = built[0]
     bad = [n for n in names for f in FORBIDDEN
            if n == f or n.startswith(f + "/") or ("/" + f + "/") in ("/" + n + "/")]
     assert not bad, bad
@@ -68,7 +68,7 @@ def test_tarball_has_no_cache_local_state_or_developer_tools(built):
 
 
 def test_tarball_has_what_a_user_needs(built):
-    names, _ = built
+    names = built[0]
     missing = [r for r in REQUIRED if r not in names]
     assert not missing, missing
     assert len([n for n in names if n.startswith("plugins/modules/") and n.endswith(".py")]) >= 4
@@ -86,7 +86,7 @@ def test_metadata_has_no_placeholder_urls_and_bounded_ansible():
 
 
 def test_manifest_carries_the_metadata(built):
-    _, manifest = built
+    manifest = built[1]
     info = manifest["collection_info"]
     assert (info["namespace"], info["name"]) == ("kubenode", "proxy")
     assert not any("example.invalid" in str(v) for v in info.values())

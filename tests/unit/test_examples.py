@@ -87,13 +87,13 @@ def _untemplated(args, argument_spec):
     return out
 
 
-@pytest.mark.parametrize("where,text", BLOCKS, ids=[w for w, _ in BLOCKS])
+@pytest.mark.parametrize("where,text", BLOCKS, ids=[block[0] for block in BLOCKS])
 def test_block_is_yaml(where, text):
     assert yaml.safe_load(text) is not None, where
 
 
 def test_every_module_has_examples_and_the_docs_show_every_module():
-    used = {m for _, m, _ in _tasks()}
+    used = {task[1] for task in _tasks()}
     assert {FQCN + m for m in MODULES} <= used, {FQCN + m for m in MODULES} - used
 
 

@@ -112,8 +112,10 @@ def _module_requirements():
             continue
         with open(os.path.join(ROOT, "plugins", "modules", fname)) as f:
             tree = ast.parse(f.read())
-        doc = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
-                   and getattr(n.targets[0], "id", None) == "DOCUMENTATION")
+        docs = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", None) == "DOCUMENTATION"]
+        assert len(docs) == 1, fname
+        doc = docs[0]
         for req in yaml.safe_load(doc).get("requirements", []):
             yield fname, req
 
@@ -133,7 +135,7 @@ def test_bindep_lists_the_tools_the_modules_document():
         m = re.match(r"([\w-]+) \(", req)
         if m and "on the managed host" in req and "Python" not in req:
             tools.append((fname, m.group(1)))
-    assert {t for _, t in tools} >= {"iptables", "ipset"}, tools
+    assert {tool[1] for tool in tools} >= {"iptables", "ipset"}, tools
     for fname, tool in tools:
         assert tool in packages, "%s needs %s, bindep.txt does not list it" % (fname, tool)
         assert "platform:dpkg" in packages[tool] and "platform:rpm" in packages[tool], (tool, packages[tool])
