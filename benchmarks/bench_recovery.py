@@ -228,7 +228,8 @@ def main() -> int:
             lab.add_pod(name, ip)
         lab.add_client("client", "10.244.2.10")
         if set(args.scenarios) & set("ABC"):
-            version = subprocess.run(["iptables", "--version"], capture_output=True, text=True).stdout.strip()
+            version = subprocess.run(["iptables", "--version"], capture_output=True, text=True,
+                                     check=False).stdout.strip()
             node = Node(lab, n, "iptables", sp)
             say(f"{version}: cold start (first full sync) {node.cold:.2f} s")
             try:

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${SKIP_INSTALL:-0}" = 1 ] || bash scripts/install-deps.sh
 python3 -m ruff check .
+# Ansible content: ansible-lint (production profile, offline, ~30 s) and the changelog fragments (~1 s).
+bash scripts/lint.sh
+antsibull-changelog lint
 # The VM image (Debian + stock kernel, for IPVS and systemd) is built once and cached outside
 # the checkout; building it here keeps its few minutes visible in the log.
 [ "${SKIP_VM:-0}" = 1 ] || python3 tests/vm/vmlab.py image

@@ -32,6 +32,8 @@ description:
     interpreter in it (for example an interpreter wrapper doing C(ip netns exec NAME python3 "$@")).
 author:
   - kubenode.proxy developers (@kubenode)
+extends_documentation_fragment:
+  - kubenode.proxy.attributes.platform
 attributes:
   check_mode:
     description: Reads the live values, the files and the conntrack table and reports what would change
@@ -224,6 +226,7 @@ previous:
   description: The live values before the run, as RV(values).
   returned: always
   type: dict
+  sample: {"net.netfilter.nf_conntrack_max": 131072, "net.netfilter.nf_conntrack_tcp_timeout_established": 432000}
 wanted:
   description: The values the options ask for (with nf_conntrack_max computed, and the hash table size
     if one is to be set), by the same names as RV(values).
@@ -240,19 +243,28 @@ skipped:
   returned: always
   type: list
   elements: dict
+  sample:
+    - key: net.netfilter.nf_conntrack_max
+      current: 131072
+      wanted: 262144
+      reason: /proc/sys/net/netfilter/nf_conntrack_max is not writable here (is /proc/sys mounted read-only?)
   contains:
     key:
       description: The sysctl name (or C(nf_conntrack.hashsize)).
       type: str
+      sample: net.netfilter.nf_conntrack_max
     current:
       description: Its live value.
       type: int
+      sample: 131072
     wanted:
       description: The value that was not set.
       type: int
+      sample: 262144
     reason:
       description: Why it cannot be written (for example, global and not the initial network namespace).
       type: str
+      sample: /proc/sys/net/netfilter/nf_conntrack_max is not writable here (is /proc/sys mounted read-only?)
 deleted:
   description: Number of conntrack entries deleted (in check mode, that would be deleted).
   returned: always

@@ -24,6 +24,8 @@ description:
     Ranges and CIDRs that ipset expands (C(tcp:80-82), C(10.0.0.0/30) in C(hash:ip)) are expanded.
 author:
   - kubenode.proxy developers (@kubenode)
+extends_documentation_fragment:
+  - kubenode.proxy.attributes.platform
 attributes:
   check_mode:
     description: Reads the sets from the kernel and reports the change without applying it.
@@ -157,6 +159,7 @@ updated:
   returned: always
   type: list
   elements: str
+  sample: ["10.96.0.10,udp:53"]
 entries:
   description: The set's entries after the run, sorted (empty when the set does not exist).
   returned: always

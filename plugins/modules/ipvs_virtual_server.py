@@ -22,6 +22,8 @@ description:
   - Real servers that are not listed are left alone unless O(purge_real_servers=true).
 author:
   - kubenode.proxy developers (@kubenode)
+extends_documentation_fragment:
+  - kubenode.proxy.attributes.platform
 attributes:
   check_mode:
     description:

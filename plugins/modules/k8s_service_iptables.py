@@ -22,6 +22,8 @@ description:
     M(kubernetes.core.k8s_info) returns them) or with flat options (O(name), O(cluster_ip), O(ports), ...).
 author:
   - kubenode.proxy developers (@kubenode)
+extends_documentation_fragment:
+  - kubenode.proxy.attributes.platform
 attributes:
   check_mode:
     description: Computes the change from the kernel's current rules and reports it without applying it.
@@ -37,7 +39,17 @@ options:
     default: present
   service:
     description:
-      - A v1 Service object. Mutually exclusive with the flat options.
+      - A v1 Service object, as the API returns it (for example an item of M(kubernetes.core.k8s_info)'s
+        C(resources)).
+      - The object is used as given. The options that describe a Service (O(name), O(namespace),
+        O(cluster_ip), O(type), O(ports), O(endpoints), O(external_ips), O(load_balancer_ips),
+        O(load_balancer_source_ranges), O(external_traffic_policy), O(internal_traffic_policy),
+        O(health_check_node_port), O(session_affinity), O(session_affinity_timeout)) cannot be given
+        with it; the module fails with a message that names both options.
+        To change a field, change the object, for example with P(ansible.builtin.combine#filter)
+        (see EXAMPLES).
+      - The node-side options (O(node_name), O(cluster_cidr), O(masquerade_all), O(masquerade_bit),
+        O(localhost_nodeports), O(iptables_binary), O(state)) apply to both forms.
     type: dict
   endpoint_slices:
     description:
@@ -191,12 +203,41 @@ EXAMPLES = r"""
       - {address: 10.244.1.5, node_name: node1}
       - {address: 10.244.2.7, node_name: node2}
 
+# With kubernetes.core (on the controller): read the Service and its EndpointSlices,
+# then program them on the node. playbooks/k8s_info_services.yml does this for every
+# Service of a namespace.
+- name: Read the Service
+  kubernetes.core.k8s_info:
+    kind: Service
+    namespace: shop
+    name: web
+  delegate_to: localhost
+  run_once: true
+  register: svc_info
+
+- name: Read its EndpointSlices (the label the EndpointSlice controller sets)
+  kubernetes.core.k8s_info:
+    api_version: discovery.k8s.io/v1
+    kind: EndpointSlice
+    namespace: shop
+    label_selectors:
+      - kubernetes.io/service-name=web
+  delegate_to: localhost
+  run_once: true
+  register: slices_info
+
 - name: Program a service straight from the cluster's objects
   kubenode.proxy.k8s_service_iptables:
-    service: "{{ (svc_info.resources | first) }}"
+    service: "{{ svc_info.resources | first }}"
     endpoint_slices: "{{ slices_info.resources }}"
     node_name: "{{ inventory_hostname }}"
     cluster_cidr: 10.244.0.0/16
+
+- name: The same service with an extra external IP (change the object; external_ips would fail next to service)
+  kubenode.proxy.k8s_service_iptables:
+    service: "{{ svc_info.resources | first | combine({'spec': {'externalIPs': ['203.0.113.9']}}, recursive=true) }}"
+    endpoint_slices: "{{ slices_info.resources }}"
+    node_name: "{{ inventory_hostname }}"
 
 - name: Remove the service's rules
   kubenode.proxy.k8s_service_iptables:
@@ -222,10 +263,16 @@ changes:
   returned: always
   type: list
   elements: str
+  sample:
+    - "+ nat chain KUBE-SVC-CDGGSHYLG3RE2FKL (3 rules)"
+    - "+ nat KUBE-SERVICES: -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"shop/web:http cluster IP\"
+      -m tcp --dport 80 -j KUBE-SVC-CDGGSHYLG3RE2FKL"
 restore_input:
   description: The iptables-restore input that was (or in check mode would be) applied.
   returned: always
   type: str
+  sample: "*nat\n:KUBE-SVC-CDGGSHYLG3RE2FKL - [0:0]\n-A KUBE-SVC-CDGGSHYLG3RE2FKL ...
+    -j KUBE-SEP-UIQK3OSOSTRHRPBX\nCOMMIT\n"
 sysctls:
   description: Sysctls that were (or in check mode would be) changed, as C(old -> new).
   returned: always
@@ -264,7 +311,12 @@ try:
 except ImportError:  # pragma: no cover - reported by the module
     IMPORT_ERROR = traceback.format_exc()
 
-FLAT_OPTIONS = ("cluster_ip", "external_ips", "load_balancer_ips", "load_balancer_source_ranges", "endpoints")
+# The options that describe the Service itself. With service= the object is used as given, so
+# each of these fails next to it (by name) rather than being silently ignored. Defaults do not
+# count: AnsibleModule checks mutually_exclusive on the options the task gave.
+FLAT_OPTIONS = ("namespace", "cluster_ip", "type", "ports", "endpoints", "external_ips", "load_balancer_ips",
+                "load_balancer_source_ranges", "external_traffic_policy", "internal_traffic_policy",
+                "health_check_node_port", "session_affinity", "session_affinity_timeout")
 
 
 def flat_objects(p):

@@ -354,7 +354,7 @@ def test_failing_check_does_not_stop_syncs(running):
     def check():
         raise KernelError("iptables: bad argument")
 
-    runner = running(BoundedFrequencyRunner(lambda full: calls.append(full), 0.05, 60, check=check,
+    runner = running(BoundedFrequencyRunner(calls.append, 0.05, 60, check=check,
                                             check_period=0.05, on_check_error=errors.append))
     time.sleep(0.3)
     runner.request()

@@ -88,3 +88,59 @@ def test_slices_of_another_service_are_refused(capsys):
           "addressType": "IPv4", "endpoints": [], "ports": []}
     out = run_module(capsys, {"service": svc, "endpoint_slices": [sl]})
     assert out["failed"] and "belongs to service db" in out["msg"]
+
+
+SERVICE = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop"},
+           "spec": {"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]}}
+
+
+@pytest.fixture
+def reached(monkeypatch):
+    """Stands in for the kernel side: records that argument handling let the task through
+    (on main, options given next to service= were dropped silently and the run went on)."""
+    calls = []
+
+    class Stub:
+        def __init__(self, module):
+            self.module = module
+
+        def run(self):
+            calls.append(self.module.params)
+            self.module.exit_json(changed=False, reached=True)
+
+    monkeypatch.setattr(mod, "ServiceIptables", Stub)
+    return calls
+
+
+# Every option that describes the Service: given with service= it would be ignored, so it fails.
+@pytest.mark.parametrize("option,value", [
+    ("namespace", "other"), ("cluster_ip", "10.96.0.11"), ("type", "NodePort"),
+    ("ports", [{"port": 8080}]), ("endpoints", [{"address": "10.244.1.5"}]),
+    ("external_ips", ["203.0.113.9"]), ("load_balancer_ips", ["198.51.100.1"]),
+    ("load_balancer_source_ranges", ["192.0.2.0/24"]), ("external_traffic_policy", "Local"),
+    ("internal_traffic_policy", "Local"), ("health_check_node_port", 30999),
+    ("session_affinity", "ClientIP"), ("session_affinity_timeout", 60),
+    # explicit values equal to the defaults are refused too: they are still ignored with service=
+    ("type", "ClusterIP"), ("ports", []),
+])
+def test_service_with_an_option_describing_the_service_fails_naming_both(capsys, reached, option, value):
+    out = run_module(capsys, {"service": SERVICE, option: value})
+    assert out.get("failed") and "mutually exclusive: service|%s" % option in out["msg"], out
+    assert not reached
+
+
+def test_service_with_node_side_options_is_accepted(capsys, reached):
+    out = run_module(capsys, {"service": SERVICE, "endpoint_slices": [], "node_name": "node1",
+                              "cluster_cidr": "10.244.0.0/16", "masquerade_all": True, "masquerade_bit": 14,
+                              "localhost_nodeports": False, "iptables_binary": "iptables-nft", "state": "absent"})
+    assert out.get("reached") and not out.get("failed"), out
+    assert reached[0]["service"] == SERVICE
+
+
+def test_service_option_documents_exactly_the_refused_options():
+    import re
+
+    import yaml
+    doc = yaml.safe_load(mod.DOCUMENTATION)
+    refused = set(re.findall(r"O\((\w+)\)", doc["options"]["service"]["description"][1]))
+    assert refused == set(mod.FLAT_OPTIONS) | {"name"}
