@@ -19,3 +19,6 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 python3 -m pip install -q -r requirements.txt
+# `python3 -m pip` does not run pyenv's rehash hook: make new console scripts (ansible-lint,
+# antsibull-changelog, ...) visible where python3 comes from pyenv.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
