@@ -101,9 +101,11 @@ class Tracker:
     def __init__(self, m: Dict[str, Any], state: Any) -> None:
         base = m["daemon"].Hooks
 
+        outer = self
+
         class Hooks(base):  # type: ignore[misc, valid-type]
-            def synced(hself, result: Any, latencies: List[float]) -> None:
-                self.synced(result)
+            def synced(self, result: Any, latencies: List[float]) -> None:
+                outer.synced(result)
 
         self.hooks = Hooks()
         self.state = state

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -12,6 +13,25 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "bin" / "kubenode-proxy"
 NODE_NAME = "node1"
+
+
+def poll(predicate: Any, timeout: float, interval: float = 0.1) -> Any:
+    """``predicate()``'s first truthy value within ``timeout`` seconds, else None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+def wait_for(predicate: Any, timeout: float = 15.0, interval: float = 0.1, what: str = "") -> Any:
+    """As poll(), but a timeout fails the test, naming what was awaited."""
+    value = poll(predicate, timeout, interval)
+    if not value:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what or predicate.__doc__ or predicate}")
+    return value
 
 
 def svc(name: str, cluster_ip: str, ports: List[Dict[str, Any]], ns: str = "default", **spec: Any) -> Dict[str, Any]:

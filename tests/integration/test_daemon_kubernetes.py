@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 from fake_apiserver import FakeApiServer
-from proxyctl import BIN, eps, save, svc, tcp
+from proxyctl import BIN, eps, save, svc, tcp, wait_for
 
 HTTP = [tcp(80, "http")]
 HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
@@ -28,15 +28,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def wait_for(predicate, timeout=15.0, interval=0.1, what=""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what or predicate}")
 
 
 def get(url):

@@ -9,21 +9,12 @@ from collections import Counter
 
 import pytest
 import yaml
-from proxyctl import BIN, eps, save, svc, tcp, write_manifests
+from proxyctl import BIN, eps, save, svc, tcp, wait_for, write_manifests
 
 HTTP = [tcp(80, "http")]
 HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
 PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
 
-
-def wait_for(predicate, timeout=10.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
 
 
 def backends(lab, ip, count=10):

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 
 import pytest
-from proxyctl import NODE_NAME, eps, save, svc, tcp
+from proxyctl import NODE_NAME, eps, poll, save, svc, tcp
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.daemon import Daemon, Hooks
@@ -52,8 +52,8 @@ def start(lab, sync_period, binary="iptables", diff_max_chains=None, wait_second
     daemon.on_relist("EndpointSlice", [eps("web", PODS.values(), HTTP_EP)])
     daemon.start()
     lab.daemon, lab.rec, lab.logs, lab.kernel = daemon, rec, logs, kernel
-    assert wait_for(lambda: set(backends(lab, 10)) == {"be1", "be2"}, 10)
-    assert wait_for(lambda: rec.results, 5)  # the first sync is over (its canaries written too)
+    assert poll(lambda: set(backends(lab, 10)) == {"be1", "be2"}, 10)
+    assert poll(lambda: rec.results, 5)  # the first sync is over (its canaries written too)
     return daemon
 
 
@@ -64,15 +64,6 @@ def node(lab):
     if daemon is not None:
         daemon.stop()
 
-
-def wait_for(predicate, timeout, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
 
 
 def backends(lab, count=5, timeout=0.5):
@@ -92,7 +83,7 @@ def canaries(lab, binary="iptables"):
 def test_canaries_are_created_and_cleanup_removes_them(node):
     lab = node
     start(lab, 30)
-    assert wait_for(lambda: canaries(lab) == {"mangle", "nat", "filter"}, 2)  # right after the first sync
+    assert poll(lambda: canaries(lab) == {"mangle", "nat", "filter"}, 2)  # right after the first sync
     lab.daemon.stop()
     lab.daemon = None
     removed = IptablesProxier(ProxyState(NODE_NAME), IptablesConfig(), lab.kernel).cleanup()
@@ -115,9 +106,9 @@ def test_flush_that_deletes_the_canary_is_repaired_at_once(node, flush):
         lab.exec("node", ["iptables", "-t", "nat", "-X"])
     broken = time.monotonic()
     assert lab.request("client", "10.96.0.10", 80, timeout=0.3).outcome == "timeout"
-    assert wait_for(lambda: serving(lab), 5), "not repaired within 5 s"
+    assert poll(lambda: serving(lab), 5), "not repaired within 5 s"
     assert time.monotonic() - broken < 5
-    assert wait_for(lambda: canaries(lab) == {"mangle", "nat", "filter"}, 2)
+    assert poll(lambda: canaries(lab) == {"mangle", "nat", "filter"}, 2)
     assert any("KUBE-PROXY-CANARY missing" in line and "repairing now" in line for line in lab.logs), lab.logs
     assert any(r.repair.startswith("canary KUBE-PROXY-CANARY missing") for _t, r in lab.rec.results)
 
@@ -131,7 +122,7 @@ def test_flushed_kube_services_with_canaries_intact_is_repaired_within_sync_peri
     lab.exec("node", ["iptables", "-t", "nat", "-F", "KUBE-SERVICES"])
     broken = time.monotonic()
     assert lab.request("client", "10.96.0.10", 80, timeout=0.3).outcome == "timeout"
-    assert wait_for(lambda: serving(lab), 2 + 2), "not repaired within syncPeriod (+ margin)"
+    assert poll(lambda: serving(lab), 2 + 2), "not repaired within syncPeriod (+ margin)"
     assert time.monotonic() - broken < 4
     assert canaries(lab) == {"mangle", "nat", "filter"}  # the canary check played no part
     repair = [r for _t, r in lab.rec.results[before:] if r.repair]
@@ -155,7 +146,7 @@ def test_held_xtables_lock_delays_a_change_only_until_release(node, tmp_path, mo
         assert set(backends(lab)) == {"be1", "be2"}, "a change got through the held lock"
         fcntl.flock(f, fcntl.LOCK_UN)
         released = time.monotonic()
-    assert wait_for(lambda: backends(lab) == Counter({"be2": 5}), 5), "not caught up within 5 s of the release"
+    assert poll(lambda: backends(lab) == Counter({"be2": 5}), 5), "not caught up within 5 s of the release"
     caught = next((t, r) for t, r in lab.rec.results if t >= released)
     assert caught[0] - released < 1.0, f"caught up {caught[0] - released:.2f} s after the release"
     # Nothing was applied by the refused attempts: the catch-up is the partial sync of the change.

@@ -310,23 +310,6 @@ class Busy(RuntimeError):
     retry_soon = True
 
 
-@pytest.fixture
-def running():
-    started = []
-
-    def start(runner):
-        t = threading.Thread(target=runner.loop, daemon=True)
-        t.start()
-        started.append((runner, t))
-        return runner
-
-    yield start
-    for runner, t in started:
-        runner.stop()
-        t.join(5)
-        assert not t.is_alive()
-
-
 def test_check_asks_for_a_full_sync_at_once(running):
     calls, checks = [], []
     flag = threading.Event()
@@ -415,7 +398,7 @@ def test_large_table_periodic_checks_list_the_chains_one_time_in_six(synced):
     listed = kernel.listings
     sep = sorted(c for t, c in kernel.chains if c.startswith("KUBE-SEP-"))[0]
     kernel.chains.discard(("nat", sep))  # seen by a listing only
-    repairs = [proxier.sync(force_full=True).repair for _ in range(LISTING_EVERY)]
+    repairs = [proxier.sync(force_full=True).repair for _check in range(LISTING_EVERY)]
     assert kernel.listings - listed == 1
     assert repairs[:-1] == [""] * (LISTING_EVERY - 1) and repairs[-1] == "chain listing or built-in jumps differ"
     assert ("nat", sep) in kernel.chains

@@ -136,7 +136,7 @@ def test_subdirectory_files_come_after_their_parents_files(tmp_path, tracker):
     write(tmp_path / "a" / "x.yaml", [svc("web", "10.96.0.20")])
     write(tmp_path / "z.yaml", [svc("web", "10.96.0.10")])
     assert tracker.poll().events[0][2]["spec"]["clusterIP"] == "10.96.0.20"  # as os.walk: z.yaml, then a/x.yaml
-    assert [p for p in manifests.scan(str(tmp_path))] == manifests.manifest_files(str(tmp_path))
+    assert list(manifests.scan(str(tmp_path))) == manifests.manifest_files(str(tmp_path))
 
 
 def test_racy_rewrite_in_the_same_timestamp_tick_is_not_missed(tmp_path, tracker):

@@ -2,8 +2,6 @@
 import threading
 import time
 
-import pytest
-
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sync import BoundedFrequencyRunner
 
 
@@ -16,23 +14,6 @@ class Recorder:
         self.calls.append((time.monotonic(), full))
         if len(self.calls) <= self.fail_first:
             raise RuntimeError("kernel said no")
-
-
-@pytest.fixture
-def running():
-    started = []
-
-    def start(runner):
-        t = threading.Thread(target=runner.loop, daemon=True)
-        t.start()
-        started.append((runner, t))
-        return runner
-
-    yield start
-    for runner, t in started:
-        runner.stop()
-        t.join(5)
-        assert not t.is_alive()
 
 
 def test_first_sync_is_full_and_bursts_are_rate_limited(running):
