@@ -127,7 +127,6 @@ class Node:
         self.daemon.stop(60)
 
 
-
 VERBOSE = False
 
 

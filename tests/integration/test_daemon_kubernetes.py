@@ -29,7 +29,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 def get(url):
     try:
         with urllib.request.urlopen(url, timeout=3) as r:

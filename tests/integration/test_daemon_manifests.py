@@ -16,7 +16,6 @@ HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
 PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
 
 
-
 def backends(lab, ip, count=10):
     replies = lab.request_many("client", ip, 80, count=count, timeout=1.0)
     return Counter(r.backend if r.ok else r.outcome for r in replies)

@@ -65,7 +65,6 @@ def node(lab):
         daemon.stop()
 
 
-
 def backends(lab, count=5, timeout=0.5):
     replies = lab.request_many("client", "10.96.0.10", 80, count=count, timeout=timeout)
     return Counter(r.backend if r.ok else r.outcome for r in replies)
