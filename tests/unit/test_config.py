@@ -51,3 +51,18 @@ def test_upstream_fields_that_do_not_apply_are_accepted():
 @pytest.mark.parametrize("text,seconds", [("30s", 30), ("1m30s", 90), ("500ms", 0.5), ("1h", 3600), ("0s", 0)])
 def test_durations(text, seconds):
     assert parse_duration(text, "x") == seconds
+
+
+@pytest.mark.parametrize("key, value", [
+    ("bridgeInterface", "br0\n-A INPUT -j ACCEPT"), ("bridgeInterface", "x" * 16), ("bridgeInterface", "br 0"),
+    ("interfaceNamePrefix", "veth\""), ("interfaceNamePrefix", "v" * 16),
+])
+def test_interface_names_that_cannot_go_into_rules_are_refused_at_load(key, value):
+    # Before: accepted, then every sync failed when the rules were written.
+    with pytest.raises(ConfigError, match=f"detectLocal.{key}: not an interface name"):
+        parse({**BASE, "detectLocal": {key: value}})
+
+
+def test_good_interface_names_load():
+    cfg = parse({**BASE, "detectLocal": {"bridgeInterface": "cbr0", "interfaceNamePrefix": "cali"}})
+    assert (cfg.bridge_interface, cfg.interface_name_prefix) == ("cbr0", "cali")

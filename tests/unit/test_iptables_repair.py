@@ -177,7 +177,8 @@ class Proxier(IptablesProxier):
         def first_rule(table, chain):
             got = real(table, chain)
             if got is _REAL:
-                lines = [r for s in self.compiled.values() for r in s.shared.get((table, chain), [])]
+                lines = [r for s in self.compiled.values()
+                         for r in s.shared.get((table, chain), []) + s.chains.get((table, chain), [])]
                 return lines[0] if lines else ""
             return got
         kernel.first_rule = first_rule
@@ -410,3 +411,25 @@ def test_large_table_periodic_checks_list_the_chains_one_time_in_six(synced):
     assert result.repair == "nat KUBE-SERVICES is empty" and kernel.listings - listed == 2
     names = declared(kernel.restores[0])
     assert "KUBE-SERVICES" in names and not any(n.startswith(ipt.SERVICE_CHAIN_PREFIXES) for n in names)
+
+
+def test_a_table_flushed_without_deleting_its_chains_is_rewritten_whole(synced):
+    # `iptables -t nat -F`: every chain emptied, none deleted (the canaries survive). The
+    # listing shows the service chains, but they hold nothing: they must not be trusted.
+    proxier, kernel = synced
+    for key in list(kernel.chains):
+        if key[0] == "nat":
+            kernel.first[key] = ""
+    kernel.builtin = {k: v for k, v in kernel.builtin.items() if k[0] != "nat"}  # jumps gone too
+    result = proxier.sync(force_full=True)
+    assert result.repair
+    names = declared(kernel.restores[0])
+    svc_chains = {c for t, c in kernel.chains if t == "nat" and c.startswith(ipt.SERVICE_CHAIN_PREFIXES)}
+    assert svc_chains and svc_chains <= names  # every service chain rewritten
+
+
+def test_kube_services_flushed_alone_still_trusts_the_service_chains(synced):
+    proxier, kernel = synced
+    kernel.first[("nat", "KUBE-SERVICES")] = ""
+    proxier.sync(force_full=True)
+    assert not any(n.startswith(ipt.SERVICE_CHAIN_PREFIXES) for n in declared(kernel.restores[0]))

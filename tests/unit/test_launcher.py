@@ -160,3 +160,39 @@ def test_without_a_usable_home_a_fresh_private_directory_is_used_and_removed(pri
     proc = launch({"XDG_CACHE_HOME": str(blocker / "cache"), "TMPDIR": str(private)})
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in private.iterdir()) == ["a-file"], "temporary directory left behind"
+
+
+@pytest.fixture
+def copy_of_checkout(private: Path) -> Path:
+    """bin/ and plugins/ of this checkout copied into a private root-owned directory."""
+    for top in ("bin", "plugins"):
+        shutil.copytree(ROOT / top, private / top, ignore=shutil.ignore_patterns("__pycache__"))
+    return private
+
+
+def run_copy(checkout: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "XDG_CACHE_HOME", "PYTHONPATH")}
+    return subprocess.run([sys.executable, str(checkout / "bin" / "kubenode-proxy"), "--help"], capture_output=True,
+                          text=True, env={**clean, "XDG_CACHE_HOME": str(cache)}, timeout=60, check=False)
+
+
+def test_a_module_dropped_beside_the_command_does_not_shadow_the_standard_library(copy_of_checkout: Path) -> None:
+    # bin/ is sys.path[0] for the script; a hashlib.py there would have run before any check.
+    marker = copy_of_checkout / "marker"
+    (copy_of_checkout / "bin" / "hashlib.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    proc = run_copy(copy_of_checkout, copy_of_checkout / "cache")
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
+
+
+def test_code_inside_the_collection_writable_by_others_is_refused(copy_of_checkout: Path) -> None:
+    target = copy_of_checkout / "plugins" / "module_utils" / "proxier" / "cli.py"
+    assert run_copy(copy_of_checkout, copy_of_checkout / "cache").returncode == 0
+    target.chmod(0o664)  # a checkout made with umask 002: anyone in the group could edit it
+    proc = run_copy(copy_of_checkout, copy_of_checkout / "cache")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert f"{target} is writable by group or others (mode 0664)" in proc.stderr
+    target.chmod(0o644)
+    os.chown(target, NOBODY, NOBODY)
+    proc = run_copy(copy_of_checkout, copy_of_checkout / "cache")
+    assert proc.returncode == 2 and f"{target} is owned by uid {NOBODY}" in proc.stderr

@@ -275,13 +275,26 @@ def _detect_mode(cfg: ProxyConfig, v: Any, path: str) -> None:
     cfg.detect_local_mode = v
 
 
+def _iface(value: str, path: str, prefix: bool = False) -> str:
+    """An interface name (or, with ``prefix``, the part before iptables' ``+``) that can go into
+    rule text: refused here (exit 2) rather than failing every sync later."""
+    from .kernel.text import UnsafeText, iface
+
+    if value:
+        try:
+            iface(value + "+" if prefix else value, path)
+        except UnsafeText as e:
+            raise ConfigError(path, e.problem) from None
+    return value
+
+
 def _detect_local(cfg: ProxyConfig, v: Any, path: str) -> None:
     v = _expect(v or {}, path, dict)
     for key, val in v.items():
         if key == "bridgeInterface":
-            cfg.bridge_interface = _expect(val or "", f"{path}.{key}", str)
+            cfg.bridge_interface = _iface(_expect(val or "", f"{path}.{key}", str), f"{path}.{key}")
         elif key == "interfaceNamePrefix":
-            cfg.interface_name_prefix = _expect(val or "", f"{path}.{key}", str)
+            cfg.interface_name_prefix = _iface(_expect(val or "", f"{path}.{key}", str), f"{path}.{key}", prefix=True)
         else:
             raise ConfigError(f"{path}.{key}", "unknown field")
 

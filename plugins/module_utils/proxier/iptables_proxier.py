@@ -147,7 +147,11 @@ class IptablesProxier:
                 # listing shows intact (5 s at 10,000 services on iptables-nft).
                 if not snap.listed:  # the repair needs to know which chains exist
                     snap = self.kernel.snapshot_for_full_sync()
-                result = self._full_sync(cfg, start, changed, snap, trust_listed=not snap.complete)
+                # `iptables -t nat -F` empties every chain but deletes none: the listing then
+                # shows service chains that hold nothing. Trust it only when sampled service
+                # chains still start with what we wrote.
+                trust = not snap.complete and self._service_chains_hold_rules()
+                result = self._full_sync(cfg, start, changed, snap, trust_listed=trust)
                 repair = f"{repair}; {broken}" if repair else broken
             elif full:
                 result = self._full_sync(cfg, start, changed, snap)
@@ -225,6 +229,25 @@ class IptablesProxier:
         if own > self.kernel.diff_max_chains and self._periodic_checks % LISTING_EVERY:
             return self.kernel.builtin_snapshot()
         return self.kernel.snapshot_for_full_sync()
+
+    def _service_chains_hold_rules(self, samples: int = 3) -> bool:
+        """False when one of a few service chains we wrote (first in name order, one per kind
+        of chain where there is one) is in the kernel but empty or starting with another rule;
+        a chain that is gone or undecided (lock held) says nothing. A few ``iptables -S CHAIN 1``
+        of short chains: milliseconds."""
+        picked: Dict[str, Tuple[ipt.ChainKey, List[str]]] = {}
+        for key in sorted(self.compiled)[:200]:
+            for chain_key, lines in self.compiled[key].chains.items():
+                kind = chain_key[1][:9]  # KUBE-SVC-, KUBE-SEP-, KUBE-EXT-, ...
+                if lines and kind not in picked:
+                    picked[kind] = (chain_key, lines)
+            if len(picked) >= samples:
+                break
+        for (table, chain), lines in list(picked.values())[:samples]:
+            first = self.kernel.first_rule(table, chain)
+            if first is not None and first not in lines:
+                return False
+        return True
 
     def _rewrite_not_due(self, cfg: ipt.IptablesConfig) -> bool:
         """A rewrite was done less than ``rewrite_period`` ago under this config."""
