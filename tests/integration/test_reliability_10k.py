@@ -170,6 +170,7 @@ class Conn:
     ip: Optional[str]  # the endpoint address that answered
     dt: float
     connect: Optional[float]  # seconds to the established connection; None: never established
+    port: int = 0  # the client's source port
 
     @property
     def ok(self) -> bool:
@@ -193,7 +194,7 @@ def parse_records(text: str) -> list[Conn]:
     for line in text.splitlines():
         if line.strip():
             d = json.loads(line)
-            out.append(Conn(d["t"], d["outcome"], d["ip"], d["dt"], d["connect"]))
+            out.append(Conn(d["t"], d["outcome"], d["ip"], d["dt"], d["connect"], d.get("port", 0)))
     return out
 
 
@@ -610,6 +611,11 @@ def test_malformed_objects_beside_10k_change_nothing(node10k, measurements):
 
 
 def test_external_flush_repaired_within_sync_period_plus_1_5s(node10k, measurements):
+    """The repair is the first connection after the flush that a backend answers: the rules
+    are back. After it, nearly every connection must succeed; the few that do not are listed.
+    (A CI run on 2 busy cores once saw 16 scattered SYN timeouts 5-7 s after a 3 s repair,
+    with the daemon idle and its rules intact; requiring an unbroken run to the end made the
+    bound depend on them, so they are bounded separately.)"""
     node, _cold = node10k
     node.ensure_serving(frozenset(ADDRS))
     duration = FLUSH_BOUND + 6.0
@@ -627,17 +633,21 @@ def test_external_flush_repaired_within_sync_period_plus_1_5s(node10k, measureme
     node.forget_undnatted()
     after = [c for c in conns if c.t >= flushed_at]
     failed = [c for c in after if c.failed]
-    settled = settled_at(conns, lambda c: not c.failed, flushed_at)
-    repair = None if settled is None else settled - flushed_at
+    first_ok = next((c.t for c in after if not c.failed), None)
+    repair = None if first_ok is None else first_ok - flushed_at
+    later = [c for c in after if first_ok is not None and c.t >= first_ok]
+    later_failed = [c for c in later if c.failed]
     measurements.append(
         f"external flush (-F KUBE-SERVICES took {flush_took:.2f} s; canary chains deleted in: "
         f"{', '.join(canaries) or 'none existed'}): {len(failed)} of {len(after)} connections failed; repaired "
         + (f"after {repair:.2f} s" if repair is not None else f"NOT within {duration - 1:.0f} s")
-        + f" (bound {FLUSH_BOUND:g} s)")
-    why = (f"failed SYNs relative to the flush: {bursts(failed, flushed_at)}; daemon log since the flush:\n"
-           + node.logs()[log_len:][-3000:])
+        + f" (bound {FLUSH_BOUND:g} s); after the repair {len(later_failed)} of {len(later)} failed")
+    why = (f"failed SYNs relative to the flush: {bursts(failed, flushed_at)}; after the repair (t, outcome, "
+           f"connect): {[(round(c.t - flushed_at, 2), c.outcome, c.connect) for c in later_failed][:20]}; "
+           f"daemon log since the flush:\n" + node.logs()[log_len:][-3000:])
     assert repair is not None, f"KUBE-SERVICES was not repaired within {duration - 1:.0f} s of the flush; {why}"
     assert repair <= FLUSH_BOUND, f"repaired after {repair:.2f} s, bound syncPeriod + 1.5 s = {FLUSH_BOUND} s; {why}"
+    assert len(later_failed) <= 0.05 * len(later), f"{len(later_failed)} of {len(later)} failed after the repair; {why}"
 
 
 def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, measurements):
