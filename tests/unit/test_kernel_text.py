@@ -334,3 +334,12 @@ def test_checked_field_paths_are_what_the_fuzzer_expects():
     # The refusal of a field that is fine alone but too long together names metadata.name.
     assert checked.NAME_BUDGET == text.IPT_MAX_COMMENT - checked.COMMENT_OVERHEAD
     assert dataclasses.is_dataclass(ServicePort)
+
+
+@pytest.mark.parametrize("writer", [text.iface, text.ipset_name])
+def test_a_name_starting_with_a_dash_is_refused_as_the_restore_parsers_would_read_an_option(writer):
+    assert writer("eth0", "f") == "eth0"
+    assert writer("a-b", "f") == "a-b"
+    for value in ("-j", "-exist", "--noflush", "-"):
+        with pytest.raises(text.UnsafeText, match="not starting with -"):
+            writer(value, "f")

@@ -49,8 +49,9 @@ _IPT_ESCAPE = re.compile(r"([\"'\\])")
 _PRINTABLE = re.compile(r"[ -~]*")
 _BARE_TOKEN = re.compile(r"[!#-&(-\[\]-~]+")  # printable ASCII, no blank or quote or backslash
 _CHAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
-_IFACE = re.compile(r"[A-Za-z0-9_.:@-]+\+?")
-_IPSET_NAME = re.compile(r"[A-Za-z0-9_.:+-]+")
+# No leading "-": the restore parsers would read such a name as an option.
+_IFACE = re.compile(r"[A-Za-z0-9_.:@][A-Za-z0-9_.:@-]*\+?")
+_IPSET_NAME = re.compile(r"[A-Za-z0-9_.:+][A-Za-z0-9_.:+-]*")
 _NFT_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9/\\_.-]*")
 _PORT_PROTOCOLS = frozenset(("TCP", "UDP", "SCTP", "tcp", "udp", "sctp"))
 
@@ -171,7 +172,7 @@ def iface(value: Any, field: str) -> str:
     if type(value) is str and len(value.rstrip("+")) <= IFNAMSIZ and _IFACE.fullmatch(value) \
             and value not in (".", ".."):
         return value
-    raise UnsafeText(field, value, f"not an interface name (1-{IFNAMSIZ} of A-Z a-z 0-9 _ . : @ -)")
+    raise UnsafeText(field, value, f"not an interface name (1-{IFNAMSIZ} of A-Z a-z 0-9 _ . : @ -, not starting with -)")
 
 
 # --- ipset restore ----------------------------------------------------------------------
@@ -180,7 +181,7 @@ def iface(value: Any, field: str) -> str:
 def ipset_name(value: Any, field: str) -> str:
     if type(value) is str and len(value) <= IPSET_MAX_NAME and _IPSET_NAME.fullmatch(value):
         return value
-    raise UnsafeText(field, value, f"not a set name (1 to {IPSET_MAX_NAME} characters of A-Z a-z 0-9 _ . : + -)")
+    raise UnsafeText(field, value, f"not a set name (1 to {IPSET_MAX_NAME} characters of A-Z a-z 0-9 _ . : + -, not starting with -)")
 
 
 def ipset_token(value: Any, field: str) -> str:
