@@ -153,3 +153,26 @@ def test_held_xtables_lock_delays_a_change_only_until_release(node, tmp_path, mo
     failed = [e for t, e in lab.rec.errors if held <= t < released]
     assert failed and all("xtables lock" in str(e) for e in failed)
     assert os.environ["XTABLES_LOCKFILE"] == str(lockfile)
+
+
+def test_held_xtables_lock_during_a_large_table_periodic_check_repairs_nothing(node, tmp_path, monkeypatch):
+    """On the large-table path the periodic check reads the built-in chains; a read refused
+    for the lock is undecided, not a missing chain: no repair runs, the sync is retried soon."""
+    lab = node
+    lockfile = tmp_path / "xtables.lock"
+    lockfile.touch()
+    monkeypatch.setenv("XTABLES_LOCKFILE", str(lockfile))
+    start(lab, 1, binary="iptables-legacy", diff_max_chains=0, wait_seconds=1)
+    before = len(lab.rec.results)
+    with open(lockfile, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        held = time.monotonic()
+        time.sleep(3.5)  # several periodic checks (syncPeriod 1 s) time out on the lock
+        fcntl.flock(f, fcntl.LOCK_UN)
+        released = time.monotonic()
+    assert poll(lambda: any(t >= released for t, _r in lab.rec.results), 5)
+    failed = [e for t, e in lab.rec.errors if held <= t < released]
+    assert failed and all("xtables lock" in str(e) for e in failed), failed
+    repairs = [r.repair for _t, r in lab.rec.results[before:] if r.repair]
+    assert not repairs, f"a held lock was taken for missing rules: {repairs}"
+    assert serving(lab)

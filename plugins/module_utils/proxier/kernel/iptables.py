@@ -152,6 +152,8 @@ class IptablesKernel:
             for chain in BUILTIN_BY_TABLE[table]:
                 try:
                     rules[(table, chain)] = self.list_rules(table, chain)
+                except LockBusy:
+                    raise  # undecided, not missing: the sync is retried soon, nothing repaired
                 except KernelError:
                     continue
         return Snapshot(rules, set(), complete=False, listed=False)
@@ -202,8 +204,11 @@ class IptablesKernel:
         """One chain's rules in save form (``iptables -S CHAIN``), without the ``-A CHAIN``."""
         proc = self._run(self._argv("", "-w", str(self.wait_seconds), "-t", table, "-S", chain),
                          capture_output=True, text=True, check=False)
+        if proc.returncode == RESOURCE_PROBLEM:
+            raise LockBusy(f"{self.binary} -t {table} -S {chain}: the xtables lock was held: "
+                           f"{proc.stderr.strip()[:200]}")
         if proc.returncode != 0:
-            raise KernelError(f"{self.binary} -t {table} -S {chain} failed: {proc.stderr.strip()}")
+            raise KernelError(f"{self.binary} -t {table} -S {chain} failed: {proc.stderr.strip()[:200]}")
         prefix = f"-A {chain} "
         return [line[len(prefix):] for line in proc.stdout.splitlines() if line.startswith(prefix)]
 

@@ -172,7 +172,8 @@ def iface(value: Any, field: str) -> str:
     if type(value) is str and len(value.rstrip("+")) <= IFNAMSIZ and _IFACE.fullmatch(value) \
             and value not in (".", ".."):
         return value
-    raise UnsafeText(field, value, f"not an interface name (1-{IFNAMSIZ} of A-Z a-z 0-9 _ . : @ -, not starting with -)")
+    raise UnsafeText(field, value,
+                     f"not an interface name (1-{IFNAMSIZ} of A-Z a-z 0-9 _ . : @ -, not starting with -)")
 
 
 # --- ipset restore ----------------------------------------------------------------------
@@ -181,7 +182,8 @@ def iface(value: Any, field: str) -> str:
 def ipset_name(value: Any, field: str) -> str:
     if type(value) is str and len(value) <= IPSET_MAX_NAME and _IPSET_NAME.fullmatch(value):
         return value
-    raise UnsafeText(field, value, f"not a set name (1 to {IPSET_MAX_NAME} characters of A-Z a-z 0-9 _ . : + -, not starting with -)")
+    raise UnsafeText(field, value,
+                     f"not a set name (1 to {IPSET_MAX_NAME} characters of A-Z a-z 0-9 _ . : + -, not starting with -)")
 
 
 def ipset_token(value: Any, field: str) -> str:
