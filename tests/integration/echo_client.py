@@ -120,8 +120,8 @@ def remaining(deadline: float) -> float:
     return left
 
 
-def new_socket(kind: socket.SocketKind, source: str | None) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, kind)
+def new_socket(kind: socket.SocketKind, source: str | None, host: str = "") -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind)
     if source:
         sock.bind((source, 0))
     return sock
@@ -129,7 +129,7 @@ def new_socket(kind: socket.SocketKind, source: str | None) -> socket.socket:
 
 def tcp_request(args: Args) -> Result:
     deadline = time.monotonic() + args.timeout
-    with new_socket(socket.SOCK_STREAM, args.source) as sock:
+    with new_socket(socket.SOCK_STREAM, args.source, args.host) as sock:
         sock.settimeout(remaining(deadline))
         sock.connect((args.host, args.port))
         data = b""
@@ -147,7 +147,7 @@ def tcp_request(args: Args) -> Result:
 def udp_request(args: Args) -> Result:
     deadline = time.monotonic() + args.timeout
     dropped = None
-    with new_socket(socket.SOCK_DGRAM, args.source) as sock:
+    with new_socket(socket.SOCK_DGRAM, args.source, args.host) as sock:
         sock.connect((args.host, args.port))
         try:
             sock.send(b"ping\n")

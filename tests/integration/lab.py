@@ -41,6 +41,13 @@ Addressing plan
       bridge in the lan namespace); external hosts take ``.2`` - ``.253`` and
       route the service, external-IP and LB ranges via the node IP.
 
+    * Dual stack (``Lab(dual_stack=True)``): the same plan in IPv6 — pods
+      ``fd00:10:244::/48`` (``/128`` each, default via ``fe80::1`` held by every
+      node-side veth), services ``fd00:10:96::/112``, external IPs
+      ``2001:db8:203::/64``, LB IPs ``2001:db8:198::/64``, node network
+      ``fd00:50::/64`` (node ``::1``, LAN router ``::fe``). Addresses skip
+      duplicate address detection; echo servers also listen on ``::``.
+
 Routing of service IPs
     Like a real node, the node namespace has a *default route* via
     ``192.168.50.254``; it makes ClusterIPs, external IPs and LB IPs routable
@@ -109,6 +116,20 @@ NODE_IP = "192.168.50.1"
 GATEWAY_IP = "192.168.50.254"
 POD_GATEWAY_IP = "169.254.1.1"
 EXTERNAL_ROUTES = (SERVICE_CIDR, EXTERNAL_IP_CIDR, LOADBALANCER_CIDR)
+# IPv6 (Lab(dual_stack=True)): the same plan, one prefix per role.
+CLUSTER_CIDR6 = "fd00:10:244::/48"
+SERVICE_CIDR6 = "fd00:10:96::/112"
+EXTERNAL_IP_CIDR6 = "2001:db8:203::/64"
+LOADBALANCER_CIDR6 = "2001:db8:198::/64"
+NODE_NETWORK6 = "fd00:50::/64"
+NODE_IP6 = "fd00:50::1"
+GATEWAY_IP6 = "fd00:50::fe"
+POD_GATEWAY_IP6 = "fe80::1"  # on every node-side pod veth, as Calico does
+EXTERNAL_ROUTES6 = (SERVICE_CIDR6, EXTERNAL_IP_CIDR6, LOADBALANCER_CIDR6)
+# No duplicate address detection: addresses are usable at once (a tentative link-local
+# address would delay a pod's first neighbour solicitation by a second or more).
+NO_DAD_SYSCTLS = {"net.ipv6.conf.all.accept_dad": "0", "net.ipv6.conf.default.accept_dad": "0"}
+NODE_SYSCTLS6 = {**NO_DAD_SYSCTLS, "net.ipv6.conf.all.forwarding": "1", "net.ipv6.icmp.ratelimit": "0"}
 DEFAULT_TCP_PORTS = (8080,)
 DEFAULT_UDP_PORTS = (5353,)
 
@@ -187,6 +208,7 @@ class Host:
     ns: str  # full namespace name
     ip: str
     peer_interface: str  # node-side veth (pods) or lan bridge port (external hosts)
+    ip6: str | None = None  # its IPv6 address (dual-stack labs)
 
 
 @dataclass
@@ -372,8 +394,10 @@ class Lab:
     service_cidr = SERVICE_CIDR
 
     def __init__(self, *, route_localnet: bool = False, rp_filter: int = 0,
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None, dual_stack: bool = False) -> None:
         self.prefix = prefix or new_prefix()
+        self.dual_stack = dual_stack
+        self.node_ip6 = NODE_IP6 if dual_stack else None
         if not PREFIX_RE.match(self.prefix):
             raise ValueError(f"invalid prefix {self.prefix!r}")
         self.node_interface = f"{self.prefix}eth0"
@@ -477,6 +501,9 @@ class Lab:
                     "net.ipv4.conf.default.rp_filter": str(rp_filter)}
         if route_localnet:
             settings["net.ipv4.conf.all.route_localnet"] = "1"
+        if self.dual_stack:
+            settings.update(NODE_SYSCTLS6)
+            sysctl(lan, NO_DAD_SYSCTLS)
         sysctl(node, settings)
         sysctl(lan, BRIDGE_SYSCTLS, ignore_missing=True)
         uplink_peer = f"{self.prefix}n0"
@@ -495,23 +522,31 @@ class Lab:
             ["addr", "add", f"{NODE_IP}/24", "dev", self.node_interface],
             ["route", "add", "default", "via", GATEWAY_IP, "dev", self.node_interface],
         ])
+        if self.dual_stack:
+            ip_batch(lan, [["addr", "add", f"{GATEWAY_IP6}/64", "dev", self.bridge, "nodad"]])
+            ip_batch(node, [
+                ["addr", "add", f"{NODE_IP6}/64", "dev", self.node_interface, "nodad"],
+                ["route", "add", "::/0", "via", GATEWAY_IP6, "dev", self.node_interface],
+            ])
 
     def add_pod(self, name: str, ip: str, serve: bool = True, *,
                 tcp_ports: Sequence[int] = DEFAULT_TCP_PORTS,
-                udp_ports: Sequence[int] = DEFAULT_UDP_PORTS) -> Host:
-        """Add a pod namespace with address ``ip``/32 (inside 10.244.0.0/16).
+                udp_ports: Sequence[int] = DEFAULT_UDP_PORTS, ip6: str | None = None) -> Host:
+        """Add a pod namespace with address ``ip``/32 (inside 10.244.0.0/16), and ``ip6``/128
+        (inside fd00:10:244::/48) in a dual-stack lab.
 
         With ``serve`` an echo server answering as ``name`` listens on
-        ``tcp_ports`` and ``udp_ports`` (0.0.0.0) before this returns.
+        ``tcp_ports`` and ``udp_ports`` (0.0.0.0, and :: in a dual-stack lab) before this returns.
         """
         _check_name(name)
         _check_ip(ip, CLUSTER_CIDR)
         if any(h.ip == ip for h in self.hosts.values()):
             raise ValueError(f"{ip} is already used in {self!r}")
+        self._check_ip6(ip6, CLUSTER_CIDR6)
         node = self.ns("node")
         pod = self._add_namespace(name)
         veth = self._next_interface("p")
-        sysctl(pod, ICMP_SYSCTLS)
+        sysctl(pod, {**ICMP_SYSCTLS, **(NO_DAD_SYSCTLS if ip6 else {})})  # before the link exists
         run(["ip", "-n", node, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", pod])
         sysctl(node, {f"net.ipv4.conf.{veth}.proxy_arp": "1", f"net.ipv4.neigh.{veth}.proxy_delay": "0"})
         ip_batch(node, [
@@ -524,17 +559,36 @@ class Lab:
             ["addr", "add", f"{ip}/32", "dev", "eth0"],
             ["route", "add", "default", "via", POD_GATEWAY_IP, "dev", "eth0", "onlink"],
         ])
-        host = Host(name=name, kind="pod", ns=pod, ip=ip, peer_interface=veth)
+        if ip6:
+            ip_batch(node, [
+                ["addr", "add", f"{POD_GATEWAY_IP6}/64", "dev", veth, "nodad"],
+                ["route", "add", f"{ip6}/128", "dev", veth],
+            ])
+            ip_batch(pod, [
+                ["addr", "add", f"{ip6}/128", "dev", "eth0", "nodad"],
+                ["route", "add", "::/0", "via", POD_GATEWAY_IP6, "dev", "eth0"],
+            ])
+        host = Host(name=name, kind="pod", ns=pod, ip=ip, peer_interface=veth, ip6=ip6)
         self.hosts[name] = host
         if serve:
             self.start_server(name, tcp_ports=tcp_ports, udp_ports=udp_ports)
         return host
 
-    def add_client(self, name: str, ip: str) -> Host:
+    def add_client(self, name: str, ip: str, ip6: str | None = None) -> Host:
         """An in-cluster client: a pod without a server."""
-        return self.add_pod(name, ip, serve=False)
+        return self.add_pod(name, ip, serve=False, ip6=ip6)
 
-    def add_external(self, name: str, ip: str, routes: Sequence[str] | None = None) -> Host:
+    def _check_ip6(self, ip6: str | None, network: str) -> None:
+        if ip6 is None:
+            return
+        if not self.dual_stack:
+            raise ValueError(f"{ip6}: IPv6 addresses need Lab(dual_stack=True)")
+        _check_ip(ip6, network)
+        if any(h.ip6 == ip6 for h in self.hosts.values()) or ip6 in (NODE_IP6, GATEWAY_IP6):
+            raise ValueError(f"{ip6} is already used in {self!r}")
+
+    def add_external(self, name: str, ip: str, routes: Sequence[str] | None = None,
+                     ip6: str | None = None) -> Host:
         """Add a host on the node network (``ip``/24 inside 192.168.50.0/24).
 
         ``routes`` (default: service CIDR, external-IP and LB ranges) are
@@ -544,10 +598,11 @@ class Lab:
         _check_ip(ip, NODE_NETWORK)
         if ip in (NODE_IP, GATEWAY_IP) or any(h.ip == ip for h in self.hosts.values()):
             raise ValueError(f"{ip} is already used in {self!r}")
+        self._check_ip6(ip6, NODE_NETWORK6)
         lan = self.ns("lan")
         ext = self._add_namespace(name)
         port = self._next_interface("x")
-        sysctl(ext, {**ICMP_SYSCTLS, **HOST_SYSCTLS})
+        sysctl(ext, {**ICMP_SYSCTLS, **HOST_SYSCTLS, **(NO_DAD_SYSCTLS if ip6 else {})})
         run(["ip", "-n", lan, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ext])
         ip_batch(lan, [["link", "set", port, "master", self.bridge, "up"]])
         commands = [
@@ -557,8 +612,12 @@ class Lab:
         ]
         for prefix in EXTERNAL_ROUTES if routes is None else routes:
             commands.append(["route", "add", str(ipaddress.ip_network(prefix)), "via", NODE_IP, "dev", "eth0"])
+        if ip6:
+            commands.append(["addr", "add", f"{ip6}/64", "dev", "eth0", "nodad"])
+            for prefix in EXTERNAL_ROUTES6:
+                commands.append(["route", "add", prefix, "via", NODE_IP6, "dev", "eth0"])
         ip_batch(ext, commands)
-        host = Host(name=name, kind="external", ns=ext, ip=ip, peer_interface=port)
+        host = Host(name=name, kind="external", ns=ext, ip=ip, peer_interface=port, ip6=ip6)
         self.hosts[name] = host
         return host
 
@@ -593,6 +652,8 @@ class Lab:
         """
         label = name or ns
         argv = [*PYTHON, str(ECHO_SERVER), "--name", label, "--bind", bind]
+        if self.dual_stack and bind == "0.0.0.0":
+            argv += ["--bind6", "::"]
         argv += [arg for port in tcp_ports for arg in ("--tcp", str(port))]
         argv += [arg for port in udp_ports for arg in ("--udp", str(port))]
         proc, log = self._spawn(ns, argv, f"server-{label}")
