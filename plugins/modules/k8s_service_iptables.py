@@ -285,8 +285,6 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_service import plan_service
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import sysctl
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.addresses import local_addresses
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
@@ -300,6 +298,8 @@ try:
         parse_endpoint_slice,
         parse_service,
     )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.service import plan_service
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.validation import (
         Fields,

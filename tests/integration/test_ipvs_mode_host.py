@@ -15,18 +15,6 @@ from proxyctl import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from ipvs_fakes import FakeIPVS, FakeLink, FakeSysctls  # noqa: E402
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import ipvs as ipvsc  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import (  # noqa: E402
-    IptablesConfig,
-)
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import render  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402
-    IptablesProxier,
-)
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import (  # noqa: E402
-    IpvsProxier,
-    Sysctls,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import IpsetKernel  # noqa: E402
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
     IptablesKernel,
@@ -35,6 +23,18 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipta
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (  # noqa: E402
     parse_endpoint_slice,
     parse_service,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import (  # noqa: E402
+    IptablesConfig,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.plan import render  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (  # noqa: E402
+    IptablesProxier,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs import compile as ipvsc  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs.proxier import (  # noqa: E402
+    IpvsProxier,
+    Sysctls,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState  # noqa: E402
 

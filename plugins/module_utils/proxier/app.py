@@ -12,16 +12,16 @@ import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import config as kpconfig
-from .backends.iptables import IptablesConfig
 from .daemon import Daemon, Hooks, ManifestsWatcher
 from .endpoints import categorize
 from .healthcheck import HealthCheckServers
 from .healthz import MetricsServer, ProxyHealthServer, health_timeout
-from .iptables_proxier import IptablesProxier, SyncResult, ensure_route_localnet
 from .kernel.addresses import local_addresses, match_node_port_addresses
 from .kernel.conntrack import ConntrackCleaner, ServiceTarget
 from .kernel.iptables import IptablesKernel, RestoreError
 from .metrics import ProxyMetrics
+from .modes.iptables.compile import IptablesConfig
+from .modes.iptables.proxier import IptablesProxier, SyncResult, ensure_route_localnet
 from .state import ProxyState
 
 LogFn = Callable[[str], None]
@@ -58,7 +58,7 @@ def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> 
     """The compiler configuration of the configured mode (IptablesConfig or IpvsConfig)."""
     ipt = iptables_config(cfg, state, netns)
     if cfg.mode == "ipvs":
-        from .ipvs_proxier import ipvs_config
+        from .modes.ipvs.proxier import ipvs_config
 
         return ipvs_config(cfg, ipt, netns)
     return ipt
@@ -70,7 +70,7 @@ def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kern
     NewProxier, iptables mode sets route_localnet for localhost NodePorts (RuntimeError if
     it cannot)."""
     if cfg.mode == "ipvs":
-        from .ipvs_proxier import IpvsProxier
+        from .modes.ipvs.proxier import IpvsProxier
 
         return IpvsProxier(state, proxier_config(cfg, state, netns), kernel, netns,
                            refresh=lambda: proxier_config(cfg, state, netns))

@@ -18,9 +18,9 @@ from typing import List, Optional
 
 from . import config as kpconfig
 from .app import build_proxier, served_family
-from .backends.iptables import IptablesConfig
-from .iptables_proxier import IptablesProxier
 from .kernel.iptables import IptablesKernel, KernelError
+from .modes.iptables.compile import IptablesConfig
+from .modes.iptables.proxier import IptablesProxier
 from .sources.manifests import DEFAULT_MAX_FILE_BYTES, load_dir
 from .state import ProxyState
 
@@ -217,8 +217,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> int:
     """Upstream's IPVS-mode cleanup: virtual services, kube-ipvs0, the KUBE chains of both
     modes and their jumps, the ipsets."""
-    from .backends.ipvs import IpvsConfig
-    from .ipvs_proxier import IpvsProxier
+    from .modes.ipvs.compile import IpvsConfig
+    from .modes.ipvs.proxier import IpvsProxier
 
     ipvs_cfg = IpvsConfig(iptables=IptablesConfig(masquerade_bit=cfg.masquerade_bit),
                           exclude_cidrs=cfg.ipvs.exclude_cidrs)

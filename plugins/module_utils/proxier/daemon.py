@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from .iptables_proxier import IptablesProxier, SyncResult
 from .model import Skipped, ValidationError, parse_endpoint_slice, parse_node, parse_service
+from .modes.iptables.proxier import IptablesProxier, SyncResult
 from .state import ProxyState
 from .sync import BoundedFrequencyRunner
 from .validation import object_identity, object_key

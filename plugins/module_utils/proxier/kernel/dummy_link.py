@@ -17,7 +17,7 @@ import errno
 import ipaddress
 from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
-from ..backends.ipvs import DUMMY_DEVICE
+from ..modes.ipvs.compile import DUMMY_DEVICE
 
 
 class LinkError(RuntimeError):

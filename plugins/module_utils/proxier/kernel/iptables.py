@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from ..backends.iptables import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey
+from ..modes.iptables.compile import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey
 
 TABLES = ("filter", "nat")
 BULK_CHAINS = 1000  # chain declarations in one table section that make a restore "bulk"

@@ -1,11 +1,11 @@
 # Copyright (c) kubenode.proxy contributors
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""IPVS mode: state -> compile (per service, backends/ipvs.py) -> apply to five kernel
+"""IPVS mode: state -> compile (per service, modes/ipvs/compile.py) -> apply to five kernel
 parts: sysctls, the ``kube-ipvs0`` dummy link, upstream's ipsets, IPVS virtual services
 with their real servers, and the iptables rules IPVS mode keeps (one iptables-restore
 through the iptables planner).
 
-Same interface as :class:`~.iptables_proxier.IptablesProxier` (``sync``, ``cleanup``,
+Same interface as :class:`~..iptables.proxier.IptablesProxier` (``sync``, ``cleanup``,
 ``rule_counts``, ``cfg``, ``last_attempt_full``), so the daemon and the command line
 drive either.
 
@@ -37,20 +37,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .backends import ipvs as ipvsc
-from .backends.iptables import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
-from .backends.iptables_plan import TABLES, Plan, plan
-from .gcpause import paused_gc
-from .iptables_proxier import SyncResult
-from .kernel import ipvs as kipvs
-from .kernel.addresses import match_node_port_addresses, primary_address
-from .kernel.dummy_link import DummyLink
-from .kernel.ipset import IPSet, IpsetKernel, temp_name
-from .kernel.ipset import plan as ipset_plan
-from .kernel.ipset_specs import kube_ipset
-from .kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
-from .model import ValidationError
-from .state import ProxyState
+from ...gcpause import paused_gc
+from ...kernel import ipvs as kipvs
+from ...kernel.addresses import match_node_port_addresses, primary_address
+from ...kernel.dummy_link import DummyLink
+from ...kernel.ipset import IPSet, IpsetKernel, temp_name
+from ...kernel.ipset import plan as ipset_plan
+from ...kernel.ipset_specs import kube_ipset
+from ...kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
+from ...model import ValidationError
+from ...state import ProxyState
+from ..iptables.compile import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
+from ..iptables.plan import TABLES, Plan, plan
+from ..iptables.proxier import SyncResult
+from . import compile as ipvsc
 
 # Chains this proxy may own in either mode. KUBE-FIREWALL (iptables mode's localnet
 # guard, also written by older kubelets) is only removed by --cleanup, never by a sync.

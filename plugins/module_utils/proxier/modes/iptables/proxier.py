@@ -24,13 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from .backends import iptables as ipt
-from .backends.iptables_plan import TABLES, Plan, plan
-from .gcpause import paused_gc
-from .kernel import sysctl
-from .kernel.iptables import CANARY_TABLES, IptablesKernel, LockBusy, Snapshot, cleanup_text
-from .model import ValidationError
-from .state import ProxyState
+from ...gcpause import paused_gc
+from ...kernel import sysctl
+from ...kernel.iptables import CANARY_TABLES, IptablesKernel, LockBusy, Snapshot, cleanup_text
+from ...model import ValidationError
+from ...state import ProxyState
+from . import compile as ipt
+from .plan import TABLES, Plan, plan
 
 
 @dataclass

@@ -20,10 +20,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from ..endpoints import categorize
-from ..kernel import text
-from ..model import Endpoint, ServicePort
-from . import checked
+from ...endpoints import categorize
+from ...kernel import text
+from ...model import Endpoint, ServicePort
+from .. import checked
 
 FILTER = "filter"
 NAT = "nat"

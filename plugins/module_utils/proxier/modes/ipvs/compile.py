@@ -13,7 +13,7 @@ upstream kube-proxy's IPVS proxier (pkg/proxy/ipvs/proxier.go) programs:
   ``utilipset.Entry.String()``);
 - the iptables rules upstream keeps in IPVS mode, in the canonical form
   ``iptables-save`` prints, as ``{(table, chain): [rule, ...]}`` for the existing
-  iptables planner (backends/iptables_plan.py);
+  iptables planner (modes/iptables/plan.py);
 - the sysctls IPVS mode needs.
 
 Everything is computed per Service (``compile_service``) so a partial sync recompiles
@@ -29,10 +29,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ..endpoints import categorize
+from ...endpoints import categorize
 
 # Upstream's set names live in one table: kernel/ipset_specs.py (data, no I/O).
-from ..kernel.ipset_specs import (
+from ...kernel.ipset_specs import (
     KUBE_CLUSTER_IP,
     KUBE_EXTERNAL_IP,
     KUBE_EXTERNAL_IP_LOCAL,
@@ -55,9 +55,9 @@ from ..kernel.ipset_specs import (
     KUBE_NODE_PORT_UDP,
     KubeIPSetSpec,
 )
-from ..model import Endpoint, ServicePort
-from . import checked
-from .iptables import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
+from ...model import Endpoint, ServicePort
+from .. import checked
+from ..iptables.compile import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
 
 DUMMY_DEVICE = "kube-ipvs0"
 DEFAULT_SCHEDULER = "rr"
@@ -287,7 +287,7 @@ def _packed(ip: str) -> bytes:
 
 def compile_service(ports: Sequence[ServicePort], endpoints: Mapping, cfg: IpvsConfig) -> ServiceIPVS:
     """``endpoints``: ServicePortName -> [Endpoint] (ProxyState.endpoints_for). Raises
-    model.ValidationError for a field that cannot be written (backends/checked.py)."""
+    model.ValidationError for a field that cannot be written (modes/checked.py)."""
     out = ServiceIPVS()
     for i, sp in enumerate(ports):
         eps = list(endpoints.get(sp.name, []))

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set
 
-from .iptables import (
+from .compile import (
     BUILTIN_CHAINS,
     KUBE_SERVICES,
     NAT,
