@@ -17,10 +17,9 @@ import time
 from typing import List, Optional
 
 from . import config as kpconfig
+from . import modes
 from .app import build_proxier, served_family
 from .kernel.iptables import IptablesKernel, KernelError
-from .modes.iptables.compile import IptablesConfig
-from .modes.iptables.proxier import IptablesProxier
 from .sources.manifests import DEFAULT_MAX_FILE_BYTES, load_dir
 from .state import ProxyState
 
@@ -38,7 +37,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubenode-proxy", description="Kubernetes service proxy for bare-metal nodes.")
     p.add_argument("--config", help="KubeProxyConfiguration YAML file")
-    p.add_argument("--proxy-mode", choices=kpconfig.MODES, help="proxy mode (default iptables)")
+    p.add_argument("--proxy-mode", choices=modes.UPSTREAM_MODES, help="proxy mode (default iptables)")
     p.add_argument("--hostname-override", help="this node's name as the cluster knows it")
     p.add_argument("--cluster-cidr", help="pod CIDR(s), comma-separated: traffic from elsewhere is masqueraded")
     p.add_argument("--masquerade-all", action="store_true", default=None,
@@ -122,10 +121,13 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
         cfg.sync_period = kpconfig.period(args.iptables_sync_period, "--iptables-sync-period")
     if args.ipvs_scheduler is not None:
         cfg.ipvs.scheduler = kpconfig.ipvs_scheduler(args.ipvs_scheduler, "--ipvs-scheduler")
-    if cfg.mode == "ipvs" and args.ipvs_min_sync_period:
-        cfg.min_sync_period = kpconfig.period(args.ipvs_min_sync_period, "--ipvs-min-sync-period", zero=True)
-    if cfg.mode == "ipvs" and args.ipvs_sync_period:
-        cfg.sync_period = kpconfig.period(args.ipvs_sync_period, "--ipvs-sync-period")
+    # The mode's own --<section>-[min-]sync-period flags (--ipvs-sync-period in IPVS mode).
+    section = modes.sync_section(cfg.mode)
+    if section and getattr(args, f"{section}_min_sync_period", None):
+        cfg.min_sync_period = kpconfig.period(getattr(args, f"{section}_min_sync_period"),
+                                              f"--{section}-min-sync-period", zero=True)
+    if section and getattr(args, f"{section}_sync_period", None):
+        cfg.sync_period = kpconfig.period(getattr(args, f"{section}_sync_period"), f"--{section}-sync-period")
     if cfg.min_sync_period > cfg.sync_period:
         raise kpconfig.ConfigError("--iptables-min-sync-period", "must not be greater than the sync period")
     if args.nodeport_addresses is not None:
@@ -169,24 +171,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except kpconfig.ConfigError as e:
         _err(f"error: {e}")
         return 2
-    if cfg.mode not in ("iptables", "ipvs"):
-        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (iptables or ipvs)")
+    mode = modes.get(cfg.mode)
+    if mode is None:
+        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet ({' or '.join(modes.names())})")
         return 2
     hostname = (cfg.hostname_override or socket.gethostname()).strip().lower()
     state = ProxyState(hostname)
     kernel = IptablesKernel(netns=args.netns, binary=args.iptables)
 
-    if args.cleanup and cfg.mode == "ipvs":
-        return _cleanup_ipvs(cfg, state, args.netns, kernel)
     if args.cleanup:
-        proxier = IptablesProxier(state, IptablesConfig(masquerade_bit=cfg.masquerade_bit), kernel)
-        try:
-            n = proxier.cleanup()
-        except KernelError as e:
-            _err(f"error: cleanup failed: {e}")
-            return 1
-        _log(f"cleanup: removed {n} chains and their jumps")
-        return 0
+        return _cleanup(mode, modes.Context(config=cfg, netns=args.netns, iptables=kernel, log=_log))
 
     if not args.once:
         from .app import run
@@ -214,23 +208,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 3 if rejected or result.rejected else 0
 
 
-def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> int:
-    """Upstream's IPVS-mode cleanup: virtual services, kube-ipvs0, the KUBE chains of both
-    modes and their jumps, the ipsets."""
-    from .modes.ipvs.compile import IpvsConfig
-    from .modes.ipvs.proxier import IpvsProxier
-
-    ipvs_cfg = IpvsConfig(iptables=IptablesConfig(masquerade_bit=cfg.masquerade_bit),
-                          exclude_cidrs=cfg.ipvs.exclude_cidrs)
-    proxier = IpvsProxier(state, ipvs_cfg, kernel, netns)
+def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
+    """Remove what the configured mode creates (IPVS mode: virtual services, kube-ipvs0,
+    the KUBE chains of both modes and their jumps, the ipsets)."""
     try:
-        n = proxier.cleanup()
+        n = mode.clean(ctx)
     except KernelError as e:
         _err(f"error: cleanup failed: {e}")
         return 1
-    finally:
-        proxier.close()
-    _log(f"cleanup: removed {n} objects (virtual services, kube-ipvs0, chains, ipsets)")
+    _log(f"cleanup ({mode.name} mode): removed {n} objects")
     return 0
 
 

@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
-MODES = ("iptables", "nftables", "ipvs")
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 
 
@@ -214,21 +213,28 @@ def parse(doc: Mapping[str, Any]) -> ProxyConfig:
 
 
 def apply_mode_sync_periods(cfg: ProxyConfig) -> None:
-    """In IPVS mode the ``ipvs:`` section's sync periods (when set) are the proxy's."""
-    if cfg.mode != "ipvs":
+    """The mode's own section's sync periods (when set) are the proxy's: in IPVS mode the
+    ``ipvs:`` section's (the registry names the section)."""
+    from .modes import sync_section
+
+    section = sync_section(cfg.mode)
+    own = getattr(cfg, section, None) if section else None
+    if own is None:
         return
-    if cfg.ipvs.sync_period is not None:
-        cfg.sync_period = cfg.ipvs.sync_period
-    if cfg.ipvs.min_sync_period is not None:
-        cfg.min_sync_period = cfg.ipvs.min_sync_period
+    if own.sync_period is not None:
+        cfg.sync_period = own.sync_period
+    if own.min_sync_period is not None:
+        cfg.min_sync_period = own.min_sync_period
     if cfg.min_sync_period > cfg.sync_period:
-        raise ConfigError("ipvs.minSyncPeriod", "must not be greater than syncPeriod")
+        raise ConfigError(f"{section}.minSyncPeriod", "must not be greater than syncPeriod")
 
 
 def _mode(cfg: ProxyConfig, v: Any, path: str) -> None:
     v = v or "iptables"
-    if v not in MODES:
-        raise ConfigError(path, f"must be one of {', '.join(MODES)}, got {show(v)}")
+    from .modes import UPSTREAM_MODES
+
+    if v not in UPSTREAM_MODES:
+        raise ConfigError(path, f"must be one of {', '.join(UPSTREAM_MODES)}, got {show(v)}")
     cfg.mode = v
 
 

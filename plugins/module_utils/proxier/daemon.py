@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .model import Skipped, ValidationError, parse_endpoint_slice, parse_node, parse_service
-from .modes.iptables.proxier import IptablesProxier, SyncResult
+from .provider import Proxier, SyncResult
 from .state import ProxyState
 from .sync import BoundedFrequencyRunner
 from .validation import object_identity, object_key
@@ -53,7 +53,7 @@ def _trigger_time(obj: Any, default: float) -> float:
 
 
 class Daemon:
-    def __init__(self, proxier: IptablesProxier, state: ProxyState, min_period: float, sync_period: float,
+    def __init__(self, proxier: Proxier, state: ProxyState, min_period: float, sync_period: float,
                  log: LogFn, hooks: Optional[Hooks] = None, family: int = 4) -> None:
         self.proxier = proxier
         self.family = family  # the IP family the proxier serves: objects of the other are ignored

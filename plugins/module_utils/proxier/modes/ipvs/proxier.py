@@ -45,11 +45,10 @@ from ...kernel.ipset import IPSet, IpsetKernel, temp_name
 from ...kernel.ipset import plan as ipset_plan
 from ...kernel.ipset_specs import kube_ipset
 from ...kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
-from ...model import ValidationError
+from ...provider import ProxierBase, SyncResult
 from ...state import ProxyState
 from ..iptables.compile import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
 from ..iptables.plan import TABLES, Plan, plan
-from ..iptables.proxier import SyncResult
 from . import compile as ipvsc
 
 # Chains this proxy may own in either mode. KUBE-FIREWALL (iptables mode's localnet
@@ -278,13 +277,14 @@ def _ipset(name: str, entries: Iterable[str]) -> IPSet:
     return kube_ipset(name, entries=sorted(entries))  # created as upstream creates it
 
 
-class IpvsProxier:
+class IpvsProxier(ProxierBase):
+    name = "ipvs"
+
     def __init__(self, state: ProxyState, cfg: ipvsc.IpvsConfig, iptables: IptablesKernel, netns: str = "", *,
                  ipvs_kernel: Any = None, ipset_kernel: Any = None, link: Any = None,
                  sysctls: Optional[Sysctls] = None, clock: Callable[[], float] = time.monotonic,
                  refresh: Optional[Callable[[], ipvsc.IpvsConfig]] = None) -> None:
-        self.state = state
-        self.cfg = cfg
+        super().__init__(state, cfg)
         self.iptables = iptables
         self.netns = netns
         self._ipvs = ipvs_kernel
@@ -296,16 +296,16 @@ class IpvsProxier:
         # which VIPs are bound (upstream reads them at every sync).
         self.refresh = refresh
         self.agg = ipvsc.Aggregate()
-        self.need_full = True
-        self.pending_repair = ""  # set by check(): the next sync is a full one that repairs
         self._canaries_made = False
-        self.last_attempt_full = True
         self._restore_failed = False  # an iptables-restore of the current sync failed
         self.pending: Dict[Any, float] = {}  # graceful removals: (service key, dest key) -> since
         self._sets: Dict[str, Any] = {}  # ipset name -> kernel IPSet as last applied
         self._rules: Dict[ChainKey, List[str]] = {}  # iptables rules as last applied
         self._timeouts_done = False
-        self.rejected: Dict[str, str] = {}  # service key -> why the compiler refused it
+
+    @classmethod
+    def create(cls, state: ProxyState, cfg: ipvsc.IpvsConfig, ctx: Any) -> IpvsProxier:
+        return cls(state, cfg, ctx.iptables, ctx.netns, refresh=ctx.refresh)
 
     # --- kernel handles (created on first use: pyroute2 and IPVS are only needed then) ---
 
@@ -337,34 +337,20 @@ class IpvsProxier:
     def _compile(self, key: str) -> Optional[ipvsc.ServiceIPVS]:
         """One service's state; a service the compiler refuses is named in ``rejected`` and
         keeps its last good state (self.agg holds what was applied), or is left out."""
-        if key not in self.state.services:
-            self.rejected.pop(key, None)
-            return None
-        try:
-            result = ipvsc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
-        except ValidationError as e:
-            self.rejected[key] = str(e)
-            return self.agg.services.get(key)
-        self.rejected.pop(key, None)
-        return result
+        return self._compile_checked(key, lambda: ipvsc.compile_service(
+            self.state.ports_of(key), self.state.endpoints_for(key), self.cfg), self.agg.services.get(key))
 
     def sync(self, force_full: bool = False) -> IpvsSyncResult:
         start = time.monotonic()
         changed = self.state.take_changes()
-        full = force_full or self.need_full or bool(self.pending_repair)
-        self.last_attempt_full = full
+        full = self._begin(force_full)
         self._restore_failed = False
         try:
             result = self._full_sync(start) if full else self._partial_sync(changed, start)
         except Exception:
-            self.state._changed |= changed
-            self.need_full = True
+            self._requeue(changed)
             raise
-        self.need_full = False
-        self.pending_repair = ""
-        result.changed = changed
-        result.rejected = dict(self.rejected)
-        return result
+        return self._done(result, changed)
 
     def check(self) -> bool:
         """The every-second check (as iptables mode's, and upstream's IPVS Monitor): True when
@@ -388,7 +374,7 @@ class IpvsProxier:
             except Exception:  # keep the addresses we know; the sync itself may still work
                 pass
         agg = ipvsc.Aggregate()
-        self.rejected = {k: v for k, v in self.rejected.items() if k in self.state.services}
+        self._forget_gone_rejections()
         with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
             for key in self.state.service_keys():
                 agg.set(key, self._compile(key))
@@ -681,3 +667,18 @@ class IpvsProxier:
         if errors:
             raise IpvsSyncError("cleanup incomplete: " + "; ".join(errors))
         return removed
+
+
+# --- the mode registry's hook (modes/__init__.py) -----------------------------------------
+
+
+def cleanup_ipvs(ctx: Any) -> int:
+    """Upstream's IPVS-mode cleanup: virtual services (those inside ``ipvs.excludeCIDRs``
+    stay), kube-ipvs0, the KUBE chains of both modes and their jumps, the ipsets."""
+    exclude = tuple(ctx.config.ipvs.exclude_cidrs) if ctx.config is not None else ()
+    proxier = IpvsProxier(ProxyState(""), ipvsc.IpvsConfig(iptables=IptablesConfig(), exclude_cidrs=exclude),
+                          ctx.iptables, ctx.netns)
+    try:
+        return proxier.cleanup()
+    finally:
+        proxier.close()
