@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxyctl import save
+from proxyctl import run_proxy, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from ipvs_fakes import FakeIPVS, FakeLink, FakeSysctls  # noqa: E402
@@ -190,3 +190,18 @@ def test_sysctls_in_a_namespace(lab):
     assert s.ensure({"net/ipv4/conf/all/arp_ignore": "1"}) == {}
     with pytest.raises(Exception, match="ip_vs kernel module"):
         s.ensure({"net/ipv4/vs/conntrack": "1"})
+
+
+def test_cleanup_in_iptables_mode_removes_ipvs_leftovers(node):
+    """A node switched from IPVS to iptables mode: ``--cleanup`` (iptables mode configured)
+    removes every mode's leftovers, KUBE-IPVS-FILTER and the ipsets included."""
+    ns, state, proxier, _ipvs, _link = node
+    populate(state)
+    proxier.sync(force_full=True)
+    assert ":KUBE-IPVS-FILTER" in save(ns, "filter") and "KUBE-CLUSTER-IP" in ipset_save(ns)
+    proc = run_proxy(ns, "--cleanup")
+    assert "of ipvs mode" in proc.stdout, proc.stdout  # its cleanup takes iptables mode's chains too
+    assert "KUBE-" not in save(ns)
+    assert "KUBE-" not in ipset_save(ns)
+    assert run_proxy(ns, "--cleanup").stdout.rstrip().endswith("removed nothing (objects: chains, virtual "
+                                                                "services, links, sets)")

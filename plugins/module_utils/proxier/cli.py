@@ -11,6 +11,7 @@ objects were rejected and left out (each one is named on stderr with the field).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import socket
 import sys
 import time
@@ -209,15 +210,23 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
-    """Remove what the configured mode creates (IPVS mode: virtual services, kube-ipvs0,
-    the KUBE chains of both modes and their jumps, the ipsets)."""
-    try:
-        n = mode.clean(ctx)
-    except KernelError as e:
-        _err(f"error: cleanup failed: {e}")
-        return 1
-    _log(f"cleanup ({mode.name} mode): removed {n} objects")
-    return 0
+    """Remove what every mode leaves in the kernel, as upstream's --cleanup: a node switched
+    from IPVS to iptables mode still has KUBE-IPVS-FILTER, kube-ipvs0 and the ipsets. The
+    configured mode goes last; a mode whose tools are missing never ran here."""
+    removed = []
+    failed = []
+    for each in modes.cleanup_order(mode.name):
+        try:
+            n = each.clean(dataclasses.replace(ctx, leftovers_only=each is not mode))
+        except KernelError as e:
+            failed.append(f"{each.name} mode: {e}")
+            continue
+        if n:
+            removed.append(f"{n} of {each.name} mode")
+    for err in failed:
+        _err(f"error: cleanup failed: {err}")
+    _log(f"cleanup: removed {' and '.join(removed) or 'nothing'} (objects: chains, virtual services, links, sets)")
+    return 1 if failed else 0
 
 
 def _reload(state: ProxyState, directory: str, hostname: str, family: int = 4,

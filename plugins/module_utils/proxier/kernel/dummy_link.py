@@ -24,11 +24,15 @@ class LinkError(RuntimeError):
     pass
 
 
+class LinkUnavailable(LinkError):
+    """pyroute2 is not installed (IPVS mode cannot have run: it needs pyroute2)."""
+
+
 def _default_iproute(netns: str) -> Any:
     try:
         from pyroute2 import IPRoute
     except ImportError:
-        raise LinkError("IPVS mode needs the pyroute2 Python package (pip install pyroute2)") from None
+        raise LinkUnavailable("IPVS mode needs the pyroute2 Python package (pip install pyroute2)") from None
     if netns:
         # flags=0: never create the namespace (a typo must fail, not make a new one).
         try:

@@ -824,6 +824,10 @@ def _plan_set(result: Plan, cur: Optional[IPSet], want: IPSet, entries: Dict[str
 MISSING_TOOL = "the ipset command was not found: install the ipset package on the host"
 
 
+class IpsetToolMissing(IpsetError):
+    """The ipset command is not installed (nothing here can have made a set)."""
+
+
 class IpsetKernel:
     """Runs ``ipset``, optionally inside a network namespace (``ip netns exec NS``)."""
 
@@ -841,10 +845,10 @@ class IpsetKernel:
         try:
             proc = self._run(argv, input=text, capture_output=True, text=True, check=False)
         except FileNotFoundError as exc:
-            raise IpsetError(f"cannot run {argv[0]}: {exc}" if self.prefix else MISSING_TOOL) from None
+            raise IpsetToolMissing(f"cannot run {argv[0]}: {exc}" if self.prefix else MISSING_TOOL) from None
         stderr = proc.stderr or ""
         if proc.returncode != 0 and "exec of" in stderr and "No such file" in stderr:
-            raise IpsetError(MISSING_TOOL)  # `ip netns exec` could not find ipset
+            raise IpsetToolMissing(MISSING_TOOL)  # `ip netns exec` could not find ipset
         return proc
 
     def names(self) -> List[str]:

@@ -49,6 +49,9 @@ class Context:
     iptables: Any = None  # a kernel.iptables.IptablesKernel (iptables-restore binary, netns)
     log: Callable[[str], None] = quiet
     refresh: Optional[Callable[[], Any]] = None  # rebuilds the mode's config (node addresses changed)
+    # Cleaning up after a mode that is not the configured one: a tool that mode needs
+    # being absent means it never ran here (nothing to remove), not a failure.
+    leftovers_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,6 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     # Mode("nftables", "nftables", "NftablesProxier", "nftables_config", "cleanup_nftables", uses_iptables=False),
 )}
 
-# --cleanup order: a mode whose cleanup also removes another's rules comes last.
-CLEANUP_ORDER: Tuple[str, ...] = tuple(REGISTRY)
 
 
 def names() -> Tuple[str, ...]:
@@ -100,6 +101,13 @@ def names() -> Tuple[str, ...]:
 
 def get(name: str) -> Optional[Mode]:
     return REGISTRY.get(name or DEFAULT_MODE)
+
+
+def cleanup_order(configured: str) -> List[Mode]:
+    """Every mode, the configured one last (its errors are the ones that matter most and
+    its message comes last)."""
+    mode = get(configured)
+    return [m for m in REGISTRY.values() if m is not mode] + ([mode] if mode is not None else [])
 
 
 def sync_section(name: str) -> str:

@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from ...gcpause import paused_gc
 from ...kernel import ipvs as kipvs
 from ...kernel.addresses import match_node_port_addresses, primary_address
-from ...kernel.dummy_link import DummyLink
-from ...kernel.ipset import IPSet, IpsetKernel, temp_name
+from ...kernel.dummy_link import DummyLink, LinkUnavailable
+from ...kernel.ipset import IPSet, IpsetKernel, IpsetToolMissing, temp_name
 from ...kernel.ipset import plan as ipset_plan
 from ...kernel.ipset_specs import kube_ipset
 from ...kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
@@ -609,15 +609,21 @@ class IpvsProxier(ProxierBase):
 
     # --- cleanup -------------------------------------------------------------------------
 
-    def cleanup(self) -> int:
+    def cleanup(self, leftovers_only: bool = False) -> int:
         """Remove what IPVS mode (and iptables mode) creates: virtual services (those inside
         ``excludeCIDRs`` stay), ``kube-ipvs0``, our chains and jumps in both tables, then our
         ipsets (a set still used by a rule cannot go, so rules go first). Returns the number
-        of objects removed. IPVS missing from the kernel is not an error here."""
+        of objects removed. IPVS missing from the kernel is not an error here; with
+        ``leftovers_only`` (another mode is configured) neither are a missing pyroute2 or
+        ipset command: IPVS mode needs both, so it never ran here. Nor, then, are virtual
+        services ours unless ``kube-ipvs0`` exists (IPVS mode always makes it): virtual
+        services of a host's own load balancer (keepalived) stay."""
         removed = 0
         errors: List[str] = []
         try:
-            if self.cfg.exclude_cidrs:
+            if leftovers_only and self.link.index() is None:
+                pass  # IPVS mode never ran here (or was cleaned up): no virtual service is ours
+            elif self.cfg.exclude_cidrs:
                 services = [s for s in self.ipvs.services() if not _excluded(s.virtual.address, self.cfg.exclude_cidrs)]
                 result = self.ipvs.apply([kipvs.Op(kipvs.DELETE_SERVICE, s.virtual) for s in services])
                 removed += result.applied
@@ -625,13 +631,16 @@ class IpvsProxier(ProxierBase):
             else:
                 removed += len(self.ipvs.virtual_servers())
                 self.ipvs.flush()
-        except kipvs.IPVSUnavailable:
-            pass
+        except (kipvs.IPVSUnavailable, LinkUnavailable):
+            pass  # no IPVS in this kernel, or no pyroute2: IPVS mode cannot have run
         except Exception as e:
             errors.append(f"IPVS: {e}")
         try:
             if self.link.delete():
                 removed += 1
+        except LinkUnavailable as e:
+            if not leftovers_only:
+                errors.append(f"{ipvsc.DUMMY_DEVICE}: {e}")
         except Exception as e:
             if getattr(e, "code", None) != errno.EOPNOTSUPP:
                 errors.append(f"{ipvsc.DUMMY_DEVICE}: {e}")
@@ -657,6 +666,9 @@ class IpvsProxier(ProxierBase):
             if names:
                 self.ipset.restore([f"destroy {n}" for n in names])
                 removed += len(names)
+        except IpsetToolMissing as e:
+            if not leftovers_only:
+                errors.append(f"ipsets: {e}")
         except Exception as e:
             errors.append(f"ipsets: {e}")
         self.agg = ipvsc.Aggregate()
@@ -679,6 +691,6 @@ def cleanup_ipvs(ctx: Any) -> int:
     proxier = IpvsProxier(ProxyState(""), ipvsc.IpvsConfig(iptables=IptablesConfig(), exclude_cidrs=exclude),
                           ctx.iptables, ctx.netns)
     try:
-        return proxier.cleanup()
+        return proxier.cleanup(leftovers_only=ctx.leftovers_only)
     finally:
         proxier.close()
