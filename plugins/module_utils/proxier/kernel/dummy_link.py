@@ -17,14 +17,15 @@ import errno
 import ipaddress
 from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
-from ..modes.ipvs.compile import DUMMY_DEVICE
+from ..errors import KernelError, Unavailable
+from ..names import DUMMY_DEVICE
 
 
-class LinkError(RuntimeError):
-    pass
+class LinkError(KernelError):
+    """kube-ipvs0 could not be read or changed."""
 
 
-class LinkUnavailable(LinkError):
+class LinkUnavailable(LinkError, Unavailable):
     """pyroute2 is not installed (IPVS mode cannot have run: it needs pyroute2)."""
 
 

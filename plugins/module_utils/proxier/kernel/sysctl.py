@@ -28,13 +28,18 @@ import subprocess
 import sys
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+try:
+    from ..errors import KernelError
+except ImportError:  # loaded by path in another network namespace (_ENSURE_IN_NETNS): no package there
+    KernelError = RuntimeError  # type: ignore[misc,assignment]  # pylint: disable=invalid-name
+
 PROC_SYS = "/proc/sys"
 # Lets packets to 127.0.0.0/8 be routed off the host after DNAT: localhost NodePorts need it.
 ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
 READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EOPNOTSUPP)
 
 
-class SysctlError(RuntimeError):
+class SysctlError(KernelError):
     """A sysctl or module parameter could not be read or written."""
 
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from ..errors import SourceError
+
 # (kind, event type, object) for watch events; (kind, objects) for a full relist.
 EventFn = Callable[[str, str, Dict[str, Any]], None]
 RelistFn = Callable[[str, List[Dict[str, Any]]], None]
@@ -222,7 +224,7 @@ class KubernetesSource:
             self._watches.pop(res.kind, None)
 
 
-class _Gone(Exception):
+class _Gone(SourceError):
     pass
 
 

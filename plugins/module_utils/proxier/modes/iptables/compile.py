@@ -23,35 +23,30 @@ from typing import Dict, List, Sequence, Tuple
 from ...endpoints import categorize
 from ...kernel import text
 from ...model import Endpoint, ServicePort
+from ...names import (  # noqa: F401 pylint: disable=unused-import  (ipt.KUBE_SERVICES, ... for callers)
+    BUILTIN_CHAINS,
+    FILTER,
+    KUBE_EXTERNAL_SERVICES,
+    KUBE_FIREWALL,
+    KUBE_FORWARD,
+    KUBE_MARK_MASQ,
+    KUBE_NODEPORTS,
+    KUBE_POSTROUTING,
+    KUBE_PROXY_FIREWALL,
+    KUBE_SERVICES,
+    NAT,
+    OWN_STATIC_CHAINS,
+    SERVICE_CHAIN_PREFIXES,
+    SHARED_CHAINS,
+    ChainKey,
+)
 from .. import checked
 
-FILTER = "filter"
-NAT = "nat"
-
-KUBE_SERVICES = "KUBE-SERVICES"
-KUBE_EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
-KUBE_NODEPORTS = "KUBE-NODEPORTS"
-KUBE_POSTROUTING = "KUBE-POSTROUTING"
-KUBE_MARK_MASQ = "KUBE-MARK-MASQ"
-KUBE_FORWARD = "KUBE-FORWARD"
-KUBE_PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
-KUBE_FIREWALL = "KUBE-FIREWALL"
-
-# Per-service chain prefixes; only chains with these prefixes are ever garbage-collected.
-SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
-# Chains every service adds rules to: diffed rule by rule, never rewritten for one service.
-SHARED_CHAINS = frozenset({KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL})
-OWN_STATIC_CHAINS = frozenset({
-    KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ, KUBE_FORWARD,
-    KUBE_PROXY_FIREWALL, KUBE_FIREWALL,
-})
-BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 # Upstream drops comments from per-endpoint rules above this many endpoints (smaller ruleset).
 LARGE_CLUSTER_ENDPOINTS = 1000
 
 NODEPORTS_TAIL_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 
-ChainKey = Tuple[str, str]  # (table, chain)
 _pton = socket.inet_pton
 _AF_INET = socket.AF_INET
 

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set
 
+from ...names import TABLES
 from .compile import (
     BUILTIN_CHAINS,
     KUBE_SERVICES,
@@ -32,7 +33,6 @@ from .compile import (
     ChainKey,
 )
 
-TABLES = ("filter", "nat")
 Rules = Dict[ChainKey, List[str]]
 
 

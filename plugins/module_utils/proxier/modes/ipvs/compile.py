@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...endpoints import categorize
+from ...model import Endpoint, ServicePort
 
-# Upstream's set names live in one table: kernel/ipset_specs.py (data, no I/O).
-from ...kernel.ipset_specs import (
+# Upstream's set names live in one table: names.py (data, no I/O).
+from ...names import (
+    DUMMY_DEVICE,  # noqa: F401 pylint: disable=unused-import  (ipvsc.DUMMY_DEVICE)
     KUBE_CLUSTER_IP,
     KUBE_EXTERNAL_IP,
     KUBE_EXTERNAL_IP_LOCAL,
@@ -55,11 +57,9 @@ from ...kernel.ipset_specs import (
     KUBE_NODE_PORT_UDP,
     KubeIPSetSpec,
 )
-from ...model import Endpoint, ServicePort
 from .. import checked
 from ..iptables.compile import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
 
-DUMMY_DEVICE = "kube-ipvs0"
 DEFAULT_SCHEDULER = "rr"
 
 # Virtual service flags (include/uapi/linux/ip_vs.h; upstream utilipvs.Flag*).
