@@ -126,7 +126,8 @@ def ensure_here(values: Mapping[str, object], check: bool = False, root: str = P
         path = key_path(key, root)
         have = read_text(path)
         if have is None:
-            raise SysctlError(f"{key}: no such sysctl ({path})")
+            hint = " (is the ip_vs kernel module loaded?)" if "/vs/" in path else ""
+            raise SysctlError(f"{key}: no such sysctl ({path}){hint}")
         if have.split() == str(value).split():
             continue
         if not check:
@@ -172,6 +173,19 @@ def ensure(values: Mapping[str, object], netns: str = "", check: bool = False,
         raise SysctlError(f"cannot set {', '.join(args)} in network namespace {netns}: "
                           f"{detail[-1][:200] if detail else f'exit status {proc.returncode}'}")
     return dict(out["changed"])
+
+
+class Sysctls:
+    """:func:`ensure` bound to a network namespace (what a proxier holds; tests pass an
+    object with the same ``ensure``)."""
+
+    def __init__(self, netns: str = "", runner: Callable[..., Any] = subprocess.run) -> None:
+        self.netns = netns
+        self._run = runner
+
+    def ensure(self, values: Mapping[str, object]) -> Dict[str, str]:
+        """Set the keys that differ; returns {key: "old -> new"}; raises SysctlError."""
+        return ensure(values, self.netns, runner=self._run) if values else {}
 
 
 def render_lines(values: Iterable[Tuple[str, object]]) -> str:

@@ -29,22 +29,21 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...gcpause import paused_gc
 from ...kernel import ipvs as kipvs
-from ...kernel.addresses import match_node_port_addresses, primary_address
+from ...kernel.addresses import match_node_port_addresses, node_addresses, primary_address
 from ...kernel.dummy_link import DummyLink, LinkUnavailable
 from ...kernel.ipset import IPSet, IpsetKernel, IpsetToolMissing, temp_name
 from ...kernel.ipset import plan as ipset_plan
 from ...kernel.ipset_specs import kube_ipset
 from ...kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
+from ...kernel.ipvs_timeouts import set_timeouts
+from ...kernel.sysctl import Sysctls
 from ...provider import ProxierBase, SyncResult
 from ...state import ProxyState
 from ..iptables.compile import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
@@ -86,29 +85,6 @@ class IpvsSyncResult(SyncResult):
 # --- configuration ------------------------------------------------------------------------
 
 
-def node_addresses(netns: str = "", family: int = 4, exclude_link: str = ipvsc.DUMMY_DEVICE,
-                   runner: Callable[..., Any] = subprocess.run) -> List[str]:
-    """This node's addresses except loopback, IPv6 link-local and those on ``exclude_link``
-    (upstream's GetAllLocalAddressesExcept + isValidForSet)."""
-    argv = (["ip", "netns", "exec", netns] if netns else []) + ["ip", "-j", f"-{family}", "addr", "show"]
-    proc = runner(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise KernelError(f"cannot list local addresses: {proc.stderr.strip()}")
-    out: List[str] = []
-    for link in json.loads(proc.stdout or "[]"):
-        if link.get("ifname") == exclude_link:
-            continue
-        for a in link.get("addr_info", []):
-            ip = a.get("local")
-            if not ip:
-                continue
-            addr = ipaddress.ip_address(ip)
-            if addr.is_loopback or (addr.version == 6 and addr.is_link_local) or ip in out:
-                continue
-            out.append(ip)
-    return out
-
-
 def ipvs_config(cfg: Any, iptables: IptablesConfig, netns: str = "",
                 addresses: Optional[Sequence[str]] = None) -> ipvsc.IpvsConfig:
     """The compiler's configuration from a ProxyConfig (``cfg``) and the iptables settings
@@ -128,75 +104,6 @@ def ipvs_config(cfg: Any, iptables: IptablesConfig, netns: str = "",
 
 
 # --- sysctls ------------------------------------------------------------------------------------
-
-_SYSCTL_SCRIPT = r"""
-import json, sys
-out = {}
-for arg in sys.argv[1:]:
-    key, value = arg.split("=", 1)
-    path = "/proc/sys/" + key
-    try:
-        with open(path) as fh:
-            have = fh.read().strip()
-    except OSError as e:
-        out[key] = "error: " + str(e)
-        continue
-    if have.split() == value.split():
-        continue
-    try:
-        with open(path, "w") as fh:
-            fh.write(value)
-        out[key] = have + " -> " + value
-    except OSError as e:
-        out[key] = "error: " + str(e)
-print(json.dumps(out))
-"""
-
-
-class Sysctls:
-    """Upstream's EnsureSysctl for a set of keys, in this process's network namespace
-    (direct /proc/sys access) or another one (one ``ip netns exec NS python3 -c ...``)."""
-
-    def __init__(self, netns: str = "", runner: Callable[..., Any] = subprocess.run) -> None:
-        self.netns = netns
-        self._run = runner
-
-    def ensure(self, values: Mapping[str, str]) -> Dict[str, str]:
-        """Set the keys that differ; returns {key: "old -> new"}; raises for any error."""
-        args = [f"{k}={v}" for k, v in sorted(values.items())]
-        if not args:
-            return {}
-        if self.netns:
-            argv = ["ip", "netns", "exec", self.netns, sys.executable or "python3", "-c", _SYSCTL_SCRIPT, *args]
-            proc = self._run(argv, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise KernelError(f"cannot set sysctls in {self.netns}: {proc.stderr.strip()}")
-            result = json.loads(proc.stdout or "{}")
-        else:
-            result = _ensure_local(values)
-        errors = {k: v for k, v in result.items() if v.startswith("error:")}
-        if errors:
-            hint = " (is the ip_vs kernel module loaded?)" if any("/vs/" in k for k in errors) else ""
-            raise KernelError("cannot set sysctls: " + "; ".join(f"{k}: {v[7:]}" for k, v in sorted(errors.items()))
-                              + hint)
-        return result
-
-
-def _ensure_local(values: Mapping[str, str]) -> Dict[str, str]:
-    out: Dict[str, str] = {}
-    for key, value in sorted(values.items()):
-        path = os.path.join("/proc/sys", key)
-        try:
-            with open(path, encoding="ascii") as fh:
-                have = fh.read().strip()
-            if have.split() == value.split():
-                continue
-            with open(path, "w", encoding="ascii") as fh:
-                fh.write(value)
-            out[key] = f"{have} -> {value}"
-        except OSError as e:
-            out[key] = f"error: {e}"
-    return out
 
 
 def ipvs_sysctls(cfg: ipvsc.IpvsConfig, kernel_release: Optional[str] = None) -> Dict[str, str]:
@@ -567,19 +474,14 @@ class IpvsProxier(ProxierBase):
         return [f"ipvs {op}" for op in p.ops]
 
     def _ipvs_timeouts(self, changes: List[str], errors: List[str]) -> None:
-        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (``ipvsadm --set``; 0 keeps a value)."""
+        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (0 keeps a value), once."""
         cfg = self.cfg
         if self._timeouts_done or not (cfg.tcp_timeout or cfg.tcp_fin_timeout or cfg.udp_timeout):
             return
-        argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + [
-            "ipvsadm", "--set", str(int(cfg.tcp_timeout)), str(int(cfg.tcp_fin_timeout)), str(int(cfg.udp_timeout))]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-        except OSError as e:
-            errors.append(f"IPVS timeouts: cannot run ipvsadm: {e}")
-            return
-        if proc.returncode != 0:
-            errors.append(f"IPVS timeouts: ipvsadm --set failed: {proc.stderr.strip()}")
+            set_timeouts(self.netns, cfg.tcp_timeout, cfg.tcp_fin_timeout, cfg.udp_timeout)
+        except KernelError as e:
+            errors.append(f"IPVS timeouts: {e}")
             return
         self._timeouts_done = True
         changes.append(f"~ ipvs timeouts tcp {int(cfg.tcp_timeout)} tcpfin {int(cfg.tcp_fin_timeout)} "
