@@ -21,7 +21,7 @@ from . import config as kpconfig
 from . import modes
 from .app import build_proxier, served_family
 from .kernel.iptables import IptablesKernel, KernelError
-from .sources.manifests import DEFAULT_MAX_FILE_BYTES, load_dir
+from .sources.manifests import DEFAULT_MAX_FILE_BYTES
 from .state import ProxyState
 
 
@@ -192,7 +192,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         _err("error: --once needs --manifests DIR")
         return 2
 
-    rejected = _reload(state, args.manifests, hostname, served_family(cfg), args.manifests_max_file_bytes)
+    try:
+        rejected = _reload(state, args.manifests, served_family(cfg), args.manifests_max_file_bytes)
+    except OSError as e:  # the directory is missing or unreadable: program nothing
+        _err(f"error: cannot read the manifests: {e}")
+        return 1
     try:
         proxier = build_proxier(cfg, state, args.netns, kernel, _log)
     except RuntimeError as e:
@@ -229,17 +233,28 @@ def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
     return 1 if failed else 0
 
 
-def _reload(state: ProxyState, directory: str, hostname: str, family: int = 4,
+def _reload(state: ProxyState, directory: str, family: int = 4,
             max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> int:
-    """Load the manifests; returns how many objects or files were rejected (named on
-    stderr). Objects ignored by design (headless, ExternalName, another IP family or
-    proxy) are not rejections."""
-    loaded = load_dir(directory, family=family, max_bytes=max_file_bytes)
-    for err in loaded.errors:
-        _err(f"rejected: {err}")
-    state.replace_all(loaded.services, loaded.slices)
-    state.node = loaded.node(hostname)
-    return len(loaded.errors)
+    """Load the manifests as the daemon does (its directory reader, then its intake rules
+    for objects and this node's Node); returns how many objects or files were rejected
+    (each named on stderr). Objects ignored by design (headless, ExternalName, another IP
+    family or proxy) are not rejections."""
+    from .daemon import Daemon
+    from .sources.manifests import DirectoryTracker
+
+    def say(msg: str) -> None:
+        if msg.startswith("rejected "):
+            _err("rejected: " + msg[len("rejected "):])
+        else:
+            _log(msg)
+
+    tracker = DirectoryTracker(directory, say, max_file_bytes)
+    changes = tracker.poll()
+    intake = Daemon(None, state, 0.0, 1.0, say, family=family)  # its intake only: no proxier, no thread
+    intake.on_batch(changes.events, changes.triggers)
+    intake.drain()
+    files = sum(1 for f in tracker.files() if f.errors)
+    return files + len(intake.rejected)
 
 
 def _report(result, verbose: bool) -> None:
