@@ -203,5 +203,5 @@ def test_cleanup_in_iptables_mode_removes_ipvs_leftovers(node):
     assert "of ipvs mode" in proc.stdout, proc.stdout  # its cleanup takes iptables mode's chains too
     assert "KUBE-" not in save(ns)
     assert "KUBE-" not in ipset_save(ns)
-    assert run_proxy(ns, "--cleanup").stdout.rstrip().endswith("removed nothing (objects: chains, virtual "
-                                                                "services, links, sets)")
+    again = run_proxy(ns, "--cleanup").stdout.rstrip()
+    assert again.endswith("removed nothing (objects: chains, virtual services, links, sets)"), again

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ..names import (  # noqa: F401 pylint: disable=unused-import  (the tables' old home)
+# The set tables moved to names.py (a leaf); importers of this module still find them here.
+from ..names import (  # noqa: F401 pylint: disable=unused-import
     KUBE_CLUSTER_IP,
     KUBE_EXTERNAL_IP,
     KUBE_EXTERNAL_IP_LOCAL,

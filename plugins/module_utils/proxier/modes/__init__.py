@@ -93,7 +93,6 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
 )}
 
 
-
 def names() -> Tuple[str, ...]:
     """The modes this proxy implements."""
     return tuple(REGISTRY)

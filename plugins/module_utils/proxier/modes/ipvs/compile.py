@@ -29,12 +29,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from ... import names
 from ...endpoints import categorize
 from ...model import Endpoint, ServicePort
 
 # Upstream's set names live in one table: names.py (data, no I/O).
 from ...names import (
-    DUMMY_DEVICE,  # noqa: F401 pylint: disable=unused-import  (ipvsc.DUMMY_DEVICE)
     KUBE_CLUSTER_IP,
     KUBE_EXTERNAL_IP,
     KUBE_EXTERNAL_IP_LOCAL,
@@ -60,6 +60,7 @@ from ...names import (
 from .. import checked
 from ..iptables.compile import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
 
+DUMMY_DEVICE = names.DUMMY_DEVICE  # ipvsc.DUMMY_DEVICE, for the proxier and tests
 DEFAULT_SCHEDULER = "rr"
 
 # Virtual service flags (include/uapi/linux/ip_vs.h; upstream utilipvs.Flag*).
