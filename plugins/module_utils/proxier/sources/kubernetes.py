@@ -110,8 +110,8 @@ class KubernetesSource:
                 resp = getattr(w, "_resp", None)
                 if resp is not None:
                     resp.close()  # unblock a read in progress
-            except Exception:  # pragma: no cover - best effort on shutdown
-                pass
+            except Exception as e:  # pragma: no cover - best effort on shutdown, but say so
+                self.log(f"stopping a watch: {e}")
         for t in self._threads:
             t.join(timeout)
 

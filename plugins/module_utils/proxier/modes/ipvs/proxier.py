@@ -275,11 +275,12 @@ class IpvsProxier(ProxierBase):
 
     def _full_sync(self, start: float) -> IpvsSyncResult:
         t0 = time.monotonic()
+        kept = ""
         if self.refresh is not None:
             try:
                 self.cfg = self.refresh()
-            except Exception:  # keep the addresses we know; the sync itself may still work
-                pass
+            except (KernelError, ValueError) as e:  # keep the addresses we know; the sync may still work
+                kept = f"! node addresses not re-read ({e}): keeping the last ones"
         agg = ipvsc.Aggregate()
         self._forget_gone_rejections()
         with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
@@ -289,7 +290,7 @@ class IpvsProxier(ProxierBase):
         compile_s = time.monotonic() - t0
         self.agg = agg
         errors: List[str] = []
-        changes: List[str] = []
+        changes: List[str] = [kept] if kept else []
         t1 = time.monotonic()
 
         # 1. sysctls and the dummy link; without them nothing else works.
