@@ -26,6 +26,14 @@ from .state import ProxyState
 LogFn = Callable[[str], None]
 
 
+def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> Any:
+    """The shared iptables options (modes/iptables/options.py); kept here under its old
+    name and signature for callers written before the move."""
+    from .modes.iptables.options import iptables_config as options
+
+    return options(cfg, netns, node=state.node)
+
+
 def served_family(cfg: kpconfig.ProxyConfig) -> int:
     """The IP family the proxier programs. IPv4 only until dual-stack: Services and slices
     of the other family are ignored (a dual-stack Service keeps its IPv4 half)."""
