@@ -28,16 +28,16 @@ _bin = importlib.util.module_from_spec(importlib.util.spec_from_loader("kubenode
 _loader.exec_module(_bin)
 _bin.setup_path()
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import iptables as ipt  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402
-    IptablesProxier,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
     IptablesKernel,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (  # noqa: E402
     parse_endpoint_slice,
     parse_service,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (  # noqa: E402
+    IptablesProxier,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState  # noqa: E402
 

@@ -35,15 +35,15 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 from fake_apiserver import FakeApiServer  # noqa: E402
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import (  # noqa: E402
-    IptablesConfig,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.daemon import Daemon, Hooks  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402
-    IptablesProxier,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
     IptablesKernel,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import (  # noqa: E402
+    IptablesConfig,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (  # noqa: E402
+    IptablesProxier,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sources.kubernetes import (  # noqa: E402
     KubernetesSource,

@@ -41,13 +41,13 @@ import bench_iptables_sync as gen  # noqa: E402  (sets up the collection import 
 from lab import Lab  # noqa: E402
 from proxyctl import poll as _poll  # noqa: E402
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import iptables as ipt  # noqa: E402
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.daemon import Daemon, Hooks  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402
-    IptablesProxier,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
     IptablesKernel,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (  # noqa: E402
+    IptablesProxier,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState  # noqa: E402
 

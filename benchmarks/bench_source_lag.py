@@ -47,10 +47,10 @@ def load(root: Path) -> Dict[str, Any]:
     import importlib as il
 
     return {
-        "IptablesConfig": il.import_module(base + ".backends.iptables").IptablesConfig,
-        "sep_chain": il.import_module(base + ".backends.iptables").sep_chain,
+        "IptablesConfig": il.import_module(base + ".modes.iptables.compile").IptablesConfig,
+        "sep_chain": il.import_module(base + ".modes.iptables.compile").sep_chain,
         "daemon": il.import_module(base + ".daemon"),
-        "IptablesProxier": il.import_module(base + ".iptables_proxier").IptablesProxier,
+        "IptablesProxier": il.import_module(base + ".modes.iptables.proxier").IptablesProxier,
         "IptablesKernel": il.import_module(base + ".kernel.iptables").IptablesKernel,
         "kubernetes": il.import_module(base + ".sources.kubernetes"),
         "ProxyState": il.import_module(base + ".state").ProxyState,

@@ -164,6 +164,16 @@ options:
   cluster_cidr:
     description: Pod CIDR; traffic to a cluster IP from outside it is masqueraded.
     type: str
+  node_port_addresses:
+    description:
+      - nodePortAddresses, as the daemon's configuration has it - CIDRs, or V(primary) for the
+        node's primary address, whose local addresses accept NodePorts. Empty means every
+        local address.
+      - The options are translated as the daemon translates its configuration (the same
+        function), so a service programmed by this module gets the daemon's rules.
+    type: list
+    elements: str
+    default: []
   masquerade_all:
     description: Masquerade all traffic to cluster IPs.
     type: bool
@@ -285,8 +295,7 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_service import plan_service
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier import config as kpconfig
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import sysctl
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.addresses import local_addresses
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
@@ -300,6 +309,11 @@ try:
         parse_endpoint_slice,
         parse_service,
     )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.options import iptables_config
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (
+        localhost_nodeports_on,
+    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.service import plan_service
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.validation import (
         Fields,
@@ -423,20 +437,25 @@ class ServiceIptables(object):
         return service, parsed
 
     def _config(self):
+        """The daemon's translation (modes/iptables/options.py) of the same settings."""
         p = self.params
-        cidrs = (p["cluster_cidr"],) if p["cluster_cidr"] else ()
+        try:
+            npa = kpconfig.node_port_addresses(list(p["node_port_addresses"]), "node_port_addresses")
+        except kpconfig.ConfigError as e:
+            self.module.fail_json(msg=str(e))
+        cfg = kpconfig.ProxyConfig(cluster_cidrs=(p["cluster_cidr"],) if p["cluster_cidr"] else (),
+                                   masquerade_bit=p["masquerade_bit"], masquerade_all=p["masquerade_all"],
+                                   localhost_nodeports=p["localhost_nodeports"], node_port_addresses=npa)
         try:
             addresses = local_addresses()
-        except RuntimeError:
+        except RuntimeError:  # no ip command: no LB self-access rules, every address for NodePorts
             addresses = []
-        return IptablesConfig(masquerade_bit=p["masquerade_bit"], masquerade_all=p["masquerade_all"],
-                              local_mode="ClusterCIDR", local_cidrs=cidrs,
-                              localhost_nodeports=p["localhost_nodeports"], node_ips=tuple(addresses))
+        return iptables_config(cfg, addresses=addresses)
 
-    def _route_localnet(self, service):
+    def _route_localnet(self, service, config):
         """As kube-proxy: localhost NodePorts need route_localnet=1 (set before the rules)."""
         p = self.params
-        if p["state"] != "present" or not p["localhost_nodeports"]:
+        if p["state"] != "present" or not localhost_nodeports_on(config):
             return {}
         if not any(sp.node_port and ":" not in sp.cluster_ip for sp in service.ports):
             return {}
@@ -451,10 +470,11 @@ class ServiceIptables(object):
         state.set_service(service)
         for sl in slices:
             state.set_slice(sl)
-        sysctls = self._route_localnet(service)
+        config = self._config()
+        sysctls = self._route_localnet(service, config)
         try:
             snapshot = self.kernel.snapshot()
-            sp = plan_service(snapshot, service, state, self._config(), self.params["state"] == "present")
+            sp = plan_service(snapshot, service, state, config, self.params["state"] == "present")
             text = sp.plan.text()
             if text and not self.module.check_mode:
                 self.kernel.restore(text)
@@ -508,6 +528,7 @@ def main():
             masquerade_all=dict(type="bool", default=False),
             masquerade_bit=dict(type="int", default=14),
             localhost_nodeports=dict(type="bool", default=True),
+            node_port_addresses=dict(type="list", elements="str", default=[]),
             iptables_binary=dict(type="str", default="iptables",
                                  choices=["iptables", "iptables-nft", "iptables-legacy"]),
         ),

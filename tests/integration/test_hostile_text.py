@@ -10,8 +10,6 @@ import pytest
 from playbook import python_in, run_tasks
 from proxyctl import NODE_NAME, eps, save, svc, tcp
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import IptablesProxier
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import IptablesKernel
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
     Endpoint,
@@ -24,6 +22,8 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model impor
     parse_endpoint_slice,
     parse_service,
 )
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import IptablesProxier
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 HTTP = [tcp(80, "http")]

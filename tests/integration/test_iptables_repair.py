@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 from proxyctl import NODE_NAME, eps, poll, save, svc, tcp
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.daemon import Daemon, Hooks
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import IptablesProxier
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import IptablesKernel
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import IptablesProxier
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 HTTP = [tcp(80, "http")]

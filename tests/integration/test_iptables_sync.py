@@ -9,16 +9,16 @@ from collections import Counter
 import pytest
 from proxyctl import NODE_NAME, eps, save, svc, tcp
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (
-    LISTING_EVERY,
-    IptablesProxier,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
     IptablesKernel,
     KernelError,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (
+    LISTING_EVERY,
+    IptablesProxier,
+)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 HTTP = [tcp(80, "http")]

@@ -10,23 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxyctl import save
+from proxyctl import run_proxy, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from ipvs_fakes import FakeIPVS, FakeLink, FakeSysctls  # noqa: E402
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import ipvs as ipvsc  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import (  # noqa: E402
-    IptablesConfig,
-)
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import render  # noqa: E402
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (  # noqa: E402
-    IptablesProxier,
-)
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import (  # noqa: E402
-    IpvsProxier,
-    Sysctls,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import IpsetKernel  # noqa: E402
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
     IptablesKernel,
@@ -35,6 +23,18 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipta
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (  # noqa: E402
     parse_endpoint_slice,
     parse_service,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import (  # noqa: E402
+    IptablesConfig,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.plan import render  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (  # noqa: E402
+    IptablesProxier,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs import compile as ipvsc  # noqa: E402
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs.proxier import (  # noqa: E402
+    IpvsProxier,
+    Sysctls,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState  # noqa: E402
 
@@ -190,3 +190,18 @@ def test_sysctls_in_a_namespace(lab):
     assert s.ensure({"net/ipv4/conf/all/arp_ignore": "1"}) == {}
     with pytest.raises(Exception, match="ip_vs kernel module"):
         s.ensure({"net/ipv4/vs/conntrack": "1"})
+
+
+def test_cleanup_in_iptables_mode_removes_ipvs_leftovers(node):
+    """A node switched from IPVS to iptables mode: ``--cleanup`` (iptables mode configured)
+    removes every mode's leftovers, KUBE-IPVS-FILTER and the ipsets included."""
+    ns, state, proxier, _ipvs, _link = node
+    populate(state)
+    proxier.sync(force_full=True)
+    assert ":KUBE-IPVS-FILTER" in save(ns, "filter") and "KUBE-CLUSTER-IP" in ipset_save(ns)
+    proc = run_proxy(ns, "--cleanup")
+    assert "of ipvs mode" in proc.stdout, proc.stdout  # its cleanup takes iptables mode's chains too
+    assert "KUBE-" not in save(ns)
+    assert "KUBE-" not in ipset_save(ns)
+    again = run_proxy(ns, "--cleanup").stdout.rstrip()
+    assert again.endswith("removed nothing (objects: chains, virtual services, links, sets)"), again

@@ -228,7 +228,9 @@ def test_module_imports_and_decides_without_pyroute2(monkeypatch):
     for name in [m for m in sys.modules if m == "pyroute2" or m.startswith("pyroute2.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "pyroute2", None)  # makes "import pyroute2" fail
-    spec = importlib.util.spec_from_file_location("conntrack_without_pyroute2", conntrack.__file__)
+    # A sibling of kernel/conntrack in its package: its relative imports (errors) resolve.
+    spec = importlib.util.spec_from_file_location(f"{conntrack.__package__}.conntrack_without_pyroute2",
+                                                  conntrack.__file__)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)

@@ -3,10 +3,10 @@ import os
 
 import pytest
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import iptables as ipt
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import render
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import assemble
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.plan import render
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import assemble
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 from .helpers import endpoint, endpoint_slice, port, service, slice_port

@@ -1,9 +1,9 @@
 """The planner: smallest restore input, shared chains diffed by rule, stale chains removed last."""
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import (
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import bulk_restore_text
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import (
     NODEPORTS_TAIL_COMMENT,
 )
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import plan
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import bulk_restore_text
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.plan import plan
 
 SVC = ("nat", "KUBE-SERVICES")
 TAIL = f'-m comment --comment "{NODEPORTS_TAIL_COMMENT}" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS'

@@ -7,11 +7,6 @@ import time
 
 import pytest
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import iptables as ipt
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (
-    LISTING_EVERY,
-    IptablesProxier,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
     CANARY_CHAIN,
     IptablesKernel,
@@ -21,6 +16,11 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipta
     cleanup_text,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (
+    LISTING_EVERY,
+    IptablesProxier,
+)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sync import BoundedFrequencyRunner
 

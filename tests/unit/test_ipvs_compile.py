@@ -9,14 +9,14 @@ from collections import Counter
 
 import pytest
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import ipvs
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import render
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
     Skipped,
     parse_endpoint_slice,
     parse_service,
 )
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.plan import render
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs import compile as ipvs
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 from .helpers import endpoint, endpoint_slice, port, service, slice_port
@@ -555,7 +555,7 @@ def test_sysctls_and_conn_reuse_mode():
 def test_set_specs_are_upstreams():
     counts = Counter(ipvs.IPSET_BY_NAME[name].type for name in ipvs.IPSET_NAMES)
     assert counts == {"hash:ip,port": 8, "hash:ip,port,ip": 2, "hash:ip,port,net": 1, "bitmap:port": 5, "hash:ip": 1}
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import _ipset
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs.proxier import _ipset
 
     node_port = _ipset("KUBE-NODE-PORT-TCP", ["30080"])
     assert (node_port.type, node_port.header_tokens()) == ("bitmap:port", ["range", "0-65535"])

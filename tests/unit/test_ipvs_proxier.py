@@ -3,9 +3,11 @@ failure handling, leftovers of iptables mode, cleanup."""
 import pytest
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier import config as kpconfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import ipvs as ipvsc
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import (
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs as k
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs import compile as ipvsc
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs.proxier import (
     IpvsProxier,
     IpvsSyncError,
     ipvs_config,
@@ -13,8 +15,6 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxie
     leftover_lines,
     node_addresses,
 )
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs as k
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 from .helpers import endpoint, endpoint_slice, port, service, slice_port

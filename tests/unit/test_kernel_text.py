@@ -14,10 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import checked
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import iptables as ipt
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends import ipvs as ipvsc
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables_plan import plan
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import text
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import IPSet, IpsetError
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipset import plan as ipset_plan
@@ -28,6 +24,10 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model impor
     ServicePortName,
     ValidationError,
 )
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes import checked
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.plan import plan
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs import compile as ipvsc
 from ansible_collections.kubenode.proxy.plugins.modules import ipset_entry as mod
 
 from .restore_tokens import ipset_line, ipset_restore, iptables_line, iptables_restore

@@ -13,7 +13,7 @@ import yaml
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier import daemon as daemon_mod
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.daemon import Daemon, Hooks, ManifestsWatcher
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import SyncResult
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import SyncResult
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sources import manifests
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.sources.manifests import DirectoryTracker
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState

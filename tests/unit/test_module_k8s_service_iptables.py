@@ -144,3 +144,39 @@ def test_service_option_documents_exactly_the_refused_options():
     doc = yaml.safe_load(mod.DOCUMENTATION)
     refused = set(re.findall(r"O\((\w+)\)", doc["options"]["service"]["description"][1]))
     assert refused == set(mod.FLAT_OPTIONS) | {"name"}
+
+
+@pytest.fixture
+def module_config(monkeypatch):
+    """The IptablesConfig the module builds (its run() stops there)."""
+    seen = []
+
+    def run(self):
+        seen.append(self._config())
+        self.module.exit_json(changed=False)
+
+    monkeypatch.setattr(mod.ServiceIptables, "run", run)
+    monkeypatch.setattr(mod, "local_addresses", lambda: ["127.0.0.1", "192.168.50.1", "10.0.0.5"])
+    return seen
+
+
+def test_module_translates_options_as_the_daemon_does(capsys, module_config):
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier import config as kpconfig
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.options import (
+        iptables_config,
+    )
+
+    run_module(capsys, dict(FLAT, cluster_cidr="10.244.0.0/16", masquerade_bit=12,
+                            node_port_addresses=["192.168.50.0/24"]))
+    daemon = iptables_config(kpconfig.ProxyConfig(cluster_cidrs=("10.244.0.0/16",), masquerade_bit=12,
+                                                  node_port_addresses=("192.168.50.0/24",)),
+                             addresses=["127.0.0.1", "192.168.50.1", "10.0.0.5"])
+    assert module_config[0] == daemon
+    # nodePortAddresses is honoured (it was ignored: NodePorts answered on every address).
+    assert not daemon.node_port_match_all and daemon.node_port_ips == ("192.168.50.1",)
+
+
+def test_module_refuses_a_bad_node_port_address(capsys, module_config):
+    out = run_module(capsys, dict(FLAT, node_port_addresses=["not-a-cidr"]))
+    assert out["failed"] and "node_port_addresses[0]" in out["msg"]
+    assert not module_config

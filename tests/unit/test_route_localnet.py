@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import (
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import sysctl
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (
     ensure_route_localnet,
     localhost_nodeports_on,
 )
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import sysctl
 
 
 @pytest.mark.parametrize("cfg, on", [

@@ -11,11 +11,11 @@ import pytest
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier import config as kpconfig
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.app import NodeHooks
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.iptables_proxier import IptablesProxier
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs as k
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import KernelError
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import IptablesProxier
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 from .helpers import endpoint, endpoint_slice, port, service, slice_port

@@ -11,17 +11,17 @@ objects were rejected and left out (each one is named on stderr with the field).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import socket
 import sys
 import time
 from typing import List, Optional
 
 from . import config as kpconfig
+from . import modes
 from .app import build_proxier, served_family
-from .backends.iptables import IptablesConfig
-from .iptables_proxier import IptablesProxier
 from .kernel.iptables import IptablesKernel, KernelError
-from .sources.manifests import DEFAULT_MAX_FILE_BYTES, load_dir
+from .sources.manifests import DEFAULT_MAX_FILE_BYTES
 from .state import ProxyState
 
 
@@ -38,7 +38,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubenode-proxy", description="Kubernetes service proxy for bare-metal nodes.")
     p.add_argument("--config", help="KubeProxyConfiguration YAML file")
-    p.add_argument("--proxy-mode", choices=kpconfig.MODES, help="proxy mode (default iptables)")
+    p.add_argument("--proxy-mode", choices=modes.UPSTREAM_MODES, help="proxy mode (default iptables)")
     p.add_argument("--hostname-override", help="this node's name as the cluster knows it")
     p.add_argument("--cluster-cidr", help="pod CIDR(s), comma-separated: traffic from elsewhere is masqueraded")
     p.add_argument("--masquerade-all", action="store_true", default=None,
@@ -122,10 +122,13 @@ def load_config(args: argparse.Namespace) -> kpconfig.ProxyConfig:
         cfg.sync_period = kpconfig.period(args.iptables_sync_period, "--iptables-sync-period")
     if args.ipvs_scheduler is not None:
         cfg.ipvs.scheduler = kpconfig.ipvs_scheduler(args.ipvs_scheduler, "--ipvs-scheduler")
-    if cfg.mode == "ipvs" and args.ipvs_min_sync_period:
-        cfg.min_sync_period = kpconfig.period(args.ipvs_min_sync_period, "--ipvs-min-sync-period", zero=True)
-    if cfg.mode == "ipvs" and args.ipvs_sync_period:
-        cfg.sync_period = kpconfig.period(args.ipvs_sync_period, "--ipvs-sync-period")
+    # The mode's own --<section>-[min-]sync-period flags (--ipvs-sync-period in IPVS mode).
+    section = modes.sync_section(cfg.mode)
+    if section and getattr(args, f"{section}_min_sync_period", None):
+        cfg.min_sync_period = kpconfig.period(getattr(args, f"{section}_min_sync_period"),
+                                              f"--{section}-min-sync-period", zero=True)
+    if section and getattr(args, f"{section}_sync_period", None):
+        cfg.sync_period = kpconfig.period(getattr(args, f"{section}_sync_period"), f"--{section}-sync-period")
     if cfg.min_sync_period > cfg.sync_period:
         raise kpconfig.ConfigError("--iptables-min-sync-period", "must not be greater than the sync period")
     if args.nodeport_addresses is not None:
@@ -169,24 +172,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except kpconfig.ConfigError as e:
         _err(f"error: {e}")
         return 2
-    if cfg.mode not in ("iptables", "ipvs"):
-        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (iptables or ipvs)")
+    mode = modes.get(cfg.mode)
+    if mode is None:
+        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet ({' or '.join(modes.names())})")
         return 2
     hostname = (cfg.hostname_override or socket.gethostname()).strip().lower()
     state = ProxyState(hostname)
     kernel = IptablesKernel(netns=args.netns, binary=args.iptables)
 
-    if args.cleanup and cfg.mode == "ipvs":
-        return _cleanup_ipvs(cfg, state, args.netns, kernel)
     if args.cleanup:
-        proxier = IptablesProxier(state, IptablesConfig(masquerade_bit=cfg.masquerade_bit), kernel)
-        try:
-            n = proxier.cleanup()
-        except KernelError as e:
-            _err(f"error: cleanup failed: {e}")
-            return 1
-        _log(f"cleanup: removed {n} chains and their jumps")
-        return 0
+        return _cleanup(mode, modes.Context(config=cfg, netns=args.netns, iptables=kernel, log=_log))
 
     if not args.once:
         from .app import run
@@ -197,7 +192,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         _err("error: --once needs --manifests DIR")
         return 2
 
-    rejected = _reload(state, args.manifests, hostname, served_family(cfg), args.manifests_max_file_bytes)
+    try:
+        rejected = _reload(state, args.manifests, served_family(cfg), args.manifests_max_file_bytes)
+    except OSError as e:  # the directory is missing or unreadable: program nothing
+        _err(f"error: cannot read the manifests: {e}")
+        return 1
     try:
         proxier = build_proxier(cfg, state, args.netns, kernel, _log)
     except RuntimeError as e:
@@ -214,37 +213,48 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 3 if rejected or result.rejected else 0
 
 
-def _cleanup_ipvs(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel) -> int:
-    """Upstream's IPVS-mode cleanup: virtual services, kube-ipvs0, the KUBE chains of both
-    modes and their jumps, the ipsets."""
-    from .backends.ipvs import IpvsConfig
-    from .ipvs_proxier import IpvsProxier
+def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
+    """Remove what every mode leaves in the kernel, as upstream's --cleanup: a node switched
+    from IPVS to iptables mode still has KUBE-IPVS-FILTER, kube-ipvs0 and the ipsets. The
+    configured mode goes last; a mode whose tools are missing never ran here."""
+    removed = []
+    failed = []
+    for each in modes.cleanup_order(mode.name):
+        try:
+            n = each.clean(dataclasses.replace(ctx, leftovers_only=each is not mode))
+        except KernelError as e:
+            failed.append(f"{each.name} mode: {e}")
+            continue
+        if n:
+            removed.append(f"{n} of {each.name} mode")
+    for err in failed:
+        _err(f"error: cleanup failed: {err}")
+    _log(f"cleanup: removed {' and '.join(removed) or 'nothing'} (objects: chains, virtual services, links, sets)")
+    return 1 if failed else 0
 
-    ipvs_cfg = IpvsConfig(iptables=IptablesConfig(masquerade_bit=cfg.masquerade_bit),
-                          exclude_cidrs=cfg.ipvs.exclude_cidrs)
-    proxier = IpvsProxier(state, ipvs_cfg, kernel, netns)
-    try:
-        n = proxier.cleanup()
-    except KernelError as e:
-        _err(f"error: cleanup failed: {e}")
-        return 1
-    finally:
-        proxier.close()
-    _log(f"cleanup: removed {n} objects (virtual services, kube-ipvs0, chains, ipsets)")
-    return 0
 
-
-def _reload(state: ProxyState, directory: str, hostname: str, family: int = 4,
+def _reload(state: ProxyState, directory: str, family: int = 4,
             max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> int:
-    """Load the manifests; returns how many objects or files were rejected (named on
-    stderr). Objects ignored by design (headless, ExternalName, another IP family or
-    proxy) are not rejections."""
-    loaded = load_dir(directory, family=family, max_bytes=max_file_bytes)
-    for err in loaded.errors:
-        _err(f"rejected: {err}")
-    state.replace_all(loaded.services, loaded.slices)
-    state.node = loaded.node(hostname)
-    return len(loaded.errors)
+    """Load the manifests as the daemon does (its directory reader, then its intake rules
+    for objects and this node's Node); returns how many objects or files were rejected
+    (each named on stderr). Objects ignored by design (headless, ExternalName, another IP
+    family or proxy) are not rejections."""
+    from .daemon import Daemon
+    from .sources.manifests import DirectoryTracker
+
+    def say(msg: str) -> None:
+        if msg.startswith("rejected "):
+            _err("rejected: " + msg[len("rejected "):])
+        else:
+            _log(msg)
+
+    tracker = DirectoryTracker(directory, say, max_file_bytes)
+    changes = tracker.poll()
+    intake = Daemon(None, state, 0.0, 1.0, say, family=family)  # its intake only: no proxier, no thread
+    intake.on_batch(changes.events, changes.triggers)
+    intake.drain()
+    files = sum(1 for f in tracker.files() if f.errors)
+    return files + len(intake.rejected)
 
 
 def _report(result, verbose: bool) -> None:

@@ -9,25 +9,15 @@ upstream but do not apply to this proxy are accepted and ignored (listed in IGNO
 from __future__ import annotations
 
 import ipaddress
-import math
-import re
-import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from .durations import MAX_DURATION, parse_duration  # noqa: F401 pylint: disable=unused-import
+from .errors import MAX_SHOWN, ConfigError, show  # noqa: F401 pylint: disable=unused-import
+
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
-MODES = ("iptables", "nftables", "ipvs")
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
-
-
-class ConfigError(ValueError):
-    def __init__(self, path: str, problem: str) -> None:
-        path = str(path)
-        if len(path) > 200:  # a field path built from hostile keys
-            path = path[:197] + "..."
-        self.path = path
-        super().__init__(f"KubeProxyConfiguration: {path}: {problem}")
 
 
 @dataclass
@@ -77,49 +67,6 @@ class ProxyConfig:
     conntrack: ConntrackConfig = field(default_factory=ConntrackConfig)
     ipvs: IPVSConfig = field(default_factory=IPVSConfig)
     ignored: List[str] = field(default_factory=list)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 160
-_REPR.maxlevel = 3
-MAX_SHOWN = 200  # characters of a value echoed in a message
-
-
-def show(value: Any) -> str:
-    """A value for a message: repr bounded in size and cost (reprlib never walks a huge
-    tree), at most MAX_SHOWN characters."""
-    text = _REPR.repr(value)
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
-
-
-# time.Duration's range: a larger value does not parse in Go either.
-MAX_DURATION = float(2 ** 63 - 1) / 1e9
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(value: Any, path: str) -> float:
-    """A Go duration string ("1m30s", "500ms", "0s") in seconds (a number is seconds)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            total = float(value)
-        except OverflowError:
-            total = math.inf
-    elif not isinstance(value, str) or not value:
-        raise ConfigError(path, f"expected a duration like '30s', got {show(value)}")
-    else:
-        pos, total = 0, 0.0
-        for m in _DURATION.finditer(value):
-            if m.start() != pos:
-                break
-            total += float(m.group(1)) * _UNIT[m.group(2)]
-            pos = m.end()
-        if pos != len(value) and value != "0":
-            raise ConfigError(path, f"{show(value)} is not a duration (examples: 30s, 1m0s, 500ms)")
-    if not -MAX_DURATION <= total <= MAX_DURATION:  # also NaN
-        raise ConfigError(path, f"{show(value)} is out of range")
-    return total
 
 
 def period(value: Any, path: str, zero: bool = False) -> float:
@@ -214,21 +161,28 @@ def parse(doc: Mapping[str, Any]) -> ProxyConfig:
 
 
 def apply_mode_sync_periods(cfg: ProxyConfig) -> None:
-    """In IPVS mode the ``ipvs:`` section's sync periods (when set) are the proxy's."""
-    if cfg.mode != "ipvs":
+    """The mode's own section's sync periods (when set) are the proxy's: in IPVS mode the
+    ``ipvs:`` section's (the registry names the section)."""
+    from .modes import sync_section
+
+    section = sync_section(cfg.mode)
+    own = getattr(cfg, section, None) if section else None
+    if own is None:
         return
-    if cfg.ipvs.sync_period is not None:
-        cfg.sync_period = cfg.ipvs.sync_period
-    if cfg.ipvs.min_sync_period is not None:
-        cfg.min_sync_period = cfg.ipvs.min_sync_period
+    if own.sync_period is not None:
+        cfg.sync_period = own.sync_period
+    if own.min_sync_period is not None:
+        cfg.min_sync_period = own.min_sync_period
     if cfg.min_sync_period > cfg.sync_period:
-        raise ConfigError("ipvs.minSyncPeriod", "must not be greater than syncPeriod")
+        raise ConfigError(f"{section}.minSyncPeriod", "must not be greater than syncPeriod")
 
 
 def _mode(cfg: ProxyConfig, v: Any, path: str) -> None:
     v = v or "iptables"
-    if v not in MODES:
-        raise ConfigError(path, f"must be one of {', '.join(MODES)}, got {show(v)}")
+    from .modes import UPSTREAM_MODES
+
+    if v not in UPSTREAM_MODES:
+        raise ConfigError(path, f"must be one of {', '.join(UPSTREAM_MODES)}, got {show(v)}")
     cfg.mode = v
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from .iptables_proxier import IptablesProxier, SyncResult
 from .model import Skipped, ValidationError, parse_endpoint_slice, parse_node, parse_service
+from .provider import Proxier, SyncResult
 from .state import ProxyState
 from .sync import BoundedFrequencyRunner
 from .validation import object_identity, object_key
@@ -53,7 +53,7 @@ def _trigger_time(obj: Any, default: float) -> float:
 
 
 class Daemon:
-    def __init__(self, proxier: IptablesProxier, state: ProxyState, min_period: float, sync_period: float,
+    def __init__(self, proxier: Optional[Proxier], state: ProxyState, min_period: float, sync_period: float,
                  log: LogFn, hooks: Optional[Hooks] = None, family: int = 4) -> None:
         self.proxier = proxier
         self.family = family  # the IP family the proxier serves: objects of the other are ignored
@@ -113,6 +113,10 @@ class Daemon:
         self.runner.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def drain(self) -> Tuple[List[float], bool]:
+        """Apply what was queued to the state without syncing (``--once`` loads this way)."""
+        return self._drain()
 
     def _drain(self) -> Tuple[List[float], bool]:
         """Apply queued changes to the state; returns their seen-times and whether the

@@ -175,45 +175,19 @@ def parse_service(obj: Mapping[str, Any], proxy_name: str = "", family: int = 4)
     """
     f, namespace, name, labels = validate_metadata(obj, "Service", dns1035_label)
     full = f"{namespace}/{name}"
-    if labels.get(SERVICE_PROXY_NAME_LABEL, "") != proxy_name:
-        raise Skipped(f"Service {full}: {SERVICE_PROXY_NAME_LABEL} is not ours")
-    if HEADLESS_LABEL in labels:
-        raise Skipped(f"Service {full}: labelled {HEADLESS_LABEL}")
+    _check_proxied(full, labels, proxy_name)
     validate_service_spec(f, obj)
     spec: Mapping[str, Any] = obj["spec"]
     svc_type = spec.get("type") or "ClusterIP"
     if svc_type == "ExternalName":
         raise Skipped(f"Service {full}: ExternalName services are not proxied")
-    cluster_ips = list(spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else []))
-    if not cluster_ips or cluster_ips[0] in ("", "None"):
-        raise Skipped(f"Service {full}: headless (no cluster IP)")
     want = _family_name(family)
-    mine = [ip for ip in map(parse_ip, cluster_ips) if family_of(ip) == want]
-    if not mine:
-        raise Skipped(f"Service {full}: {'/'.join(family_of(parse_ip(ip)) for ip in cluster_ips)} only; "
-                      f"this node serves {want}")
-    cluster_ip = str(mine[0])
-
-    def served(values: Iterable[Any]) -> Tuple[str, ...]:
-        ips = (parse_ip(v) for v in values)
-        return tuple(str(ip) for ip in ips if family_of(ip) == want)
-
-    external_ips = served(spec.get("externalIPs") or ())
-    ingress = ((obj.get("status") or {}).get("loadBalancer") or {}).get("ingress") or ()
-    # ipMode Proxy: the load balancer proxies, so the VIP must not be captured on the node.
-    lb_ips = served(ing["ip"] for ing in ingress if ing.get("ip") and ing.get("ipMode") != "Proxy")
-    ranges = tuple(str(net) for net in (parse_cidr(c.strip()) for c in spec.get("loadBalancerSourceRanges") or ())
-                   if family_of(net) == want)
-
+    cluster_ip = _cluster_ip(full, spec, want)
+    external_ips, lb_ips, ranges = _served_addresses(obj, spec, want)
     etp = spec.get("externalTrafficPolicy") or "Cluster"
     itp = spec.get("internalTrafficPolicy") or "Cluster"
-    sticky = 0
-    if (spec.get("sessionAffinity") or "None") == "ClientIP":
-        cfg = (spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}
-        sticky = cfg.get("timeoutSeconds") or DEFAULT_STICKY_SECONDS
-    hc_port = 0
-    if svc_type == "LoadBalancer" and etp == "Local":
-        hc_port = spec.get("healthCheckNodePort") or 0
+    sticky = _sticky_seconds(spec)
+    hc_port = (spec.get("healthCheckNodePort") or 0) if svc_type == "LoadBalancer" and etp == "Local" else 0
 
     ports = []
     for p in spec.get("ports") or ():
@@ -228,6 +202,50 @@ def parse_service(obj: Mapping[str, Any], proxy_name: str = "", family: int = 4)
             health_check_node_port=hc_port, session_affinity_seconds=sticky,
         ))
     return Service(namespace, name, tuple(ports))
+
+
+def _check_proxied(full: str, labels: Mapping[str, str], proxy_name: str) -> None:
+    """Skipped: another service proxy's Service, or a headless one by label."""
+    if labels.get(SERVICE_PROXY_NAME_LABEL, "") != proxy_name:
+        raise Skipped(f"Service {full}: {SERVICE_PROXY_NAME_LABEL} is not ours")
+    if HEADLESS_LABEL in labels:
+        raise Skipped(f"Service {full}: labelled {HEADLESS_LABEL}")
+
+
+def _cluster_ip(full: str, spec: Mapping[str, Any], want: str) -> str:
+    """The cluster IP of the node's family (Skipped: headless, or the other family only)."""
+    cluster_ips = list(spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else []))
+    if not cluster_ips or cluster_ips[0] in ("", "None"):
+        raise Skipped(f"Service {full}: headless (no cluster IP)")
+    mine = [ip for ip in map(parse_ip, cluster_ips) if family_of(ip) == want]
+    if not mine:
+        raise Skipped(f"Service {full}: {'/'.join(family_of(parse_ip(ip)) for ip in cluster_ips)} only; "
+                      f"this node serves {want}")
+    return str(mine[0])
+
+
+def _served_addresses(obj: Mapping[str, Any], spec: Mapping[str, Any],
+                      want: str) -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]:
+    """(external IPs, load balancer ingress IPs, source ranges) of the node's family."""
+    def served(values: Iterable[Any]) -> Tuple[str, ...]:
+        ips = (parse_ip(v) for v in values)
+        return tuple(str(ip) for ip in ips if family_of(ip) == want)
+
+    external_ips = served(spec.get("externalIPs") or ())
+    ingress = ((obj.get("status") or {}).get("loadBalancer") or {}).get("ingress") or ()
+    # ipMode Proxy: the load balancer proxies, so the VIP must not be captured on the node.
+    lb_ips = served(ing["ip"] for ing in ingress if ing.get("ip") and ing.get("ipMode") != "Proxy")
+    ranges = tuple(str(net) for net in (parse_cidr(c.strip()) for c in spec.get("loadBalancerSourceRanges") or ())
+                   if family_of(net) == want)
+    return external_ips, lb_ips, ranges
+
+
+def _sticky_seconds(spec: Mapping[str, Any]) -> int:
+    """ClientIP session affinity's timeout (0: no affinity)."""
+    if (spec.get("sessionAffinity") or "None") != "ClientIP":
+        return 0
+    cfg = (spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}
+    return cfg.get("timeoutSeconds") or DEFAULT_STICKY_SECONDS
 
 
 # --- EndpointSlice -------------------------------------------------------------------

@@ -100,6 +100,10 @@ class ProxyState:
         changed, self._changed = self._changed, set()
         return changed
 
+    def requeue(self, changed: Set[str]) -> None:
+        """Put back changes a failed sync took but did not apply (the retry covers them)."""
+        self._changed |= changed
+
     def mark_all_changed(self) -> None:
         self._changed.update(self.services)
 

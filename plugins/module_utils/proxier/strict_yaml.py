@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict, Iterator, List, Optional, TextIO, Tuple, Union
 
+from .errors import InvalidInput
+
 MAX_DEPTH = 100  # nesting of collections; Kubernetes objects need about 10
 MAX_ALIAS_NODES = 100_000  # nodes added by expanding aliases, per stream
 MAX_DOCUMENT_NODES = 1_000_000  # per document: ~400 MB of PyYAML nodes at most (a List of 10,000 Services: ~0.5 M)
@@ -152,8 +154,8 @@ def load_all_list(stream: Union[str, TextIO]) -> List[Any]:
     return list(load_all(stream))
 
 
-class JSONDuplicateKey(ValueError):
-    pass
+class JSONDuplicateKey(InvalidInput):
+    """A JSON object names a key twice (YAML refuses that too)."""
 
 
 def _refuse_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:

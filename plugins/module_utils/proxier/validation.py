@@ -28,6 +28,8 @@ import re
 import reprlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .errors import InvalidInput
+
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 
@@ -50,7 +52,7 @@ MAX_ENDPOINT_ADDRESSES = 100
 MAX_SLICE_PORTS = 20000
 
 
-class ValidationError(ValueError):
+class ValidationError(InvalidInput):
     """An object (or module option) that cannot be used; the message names it and the field."""
 
     def __init__(self, kind: str, name: str, path: str, problem: str) -> None:

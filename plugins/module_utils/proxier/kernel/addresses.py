@@ -1,25 +1,50 @@
 # Copyright (c) kubenode.proxy contributors
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The node's own addresses (for nodePortAddresses), read with ``ip -j addr``."""
+"""The node's own addresses (nodePortAddresses, IPVS mode's NodePort and VIP addresses),
+read with ``ip -j addr``: one reader for every mode."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
 import subprocess
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
+
+from ..errors import KernelError
+from ..names import DUMMY_DEVICE
 
 
-def local_addresses(netns: str = "", family: int = 4) -> List[str]:
+def _links(netns: str, family: int, runner: Callable[..., Any]) -> List[Any]:
+    """``ip -j addr show``: one entry per link, with its ``addr_info``. Raises KernelError
+    (a RuntimeError) when ip fails."""
     argv = (["ip", "netns", "exec", netns] if netns else []) + ["ip", "-j", f"-{family}", "addr", "show"]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    proc = runner(argv, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"cannot list local addresses: {proc.stderr.strip()}")
-    out = []
-    for link in json.loads(proc.stdout or "[]"):
+        raise KernelError(f"cannot list local addresses: {proc.stderr.strip()}")
+    return json.loads(proc.stdout or "[]")
+
+
+def local_addresses(netns: str = "", family: int = 4, runner: Callable[..., Any] = subprocess.run) -> List[str]:
+    """Every address of the node, loopback included (iptables mode's nodePortAddresses)."""
+    return [a["local"] for link in _links(netns, family, runner) for a in link.get("addr_info", []) if a.get("local")]
+
+
+def node_addresses(netns: str = "", family: int = 4, exclude_link: str = DUMMY_DEVICE,
+                   runner: Callable[..., Any] = subprocess.run) -> List[str]:
+    """This node's addresses except loopback, IPv6 link-local and those on ``exclude_link``
+    (upstream's GetAllLocalAddressesExcept + isValidForSet: IPVS mode's NodePort addresses)."""
+    out: List[str] = []
+    for link in _links(netns, family, runner):
+        if link.get("ifname") == exclude_link:
+            continue
         for a in link.get("addr_info", []):
-            if a.get("local"):
-                out.append(a["local"])
+            ip = a.get("local")
+            if not ip:
+                continue
+            addr = ipaddress.ip_address(ip)
+            if addr.is_loopback or (addr.version == 6 and addr.is_link_local) or ip in out:
+                continue
+            out.append(ip)
     return out
 
 

@@ -64,6 +64,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from ..errors import KernelError, Unavailable
+
 PROTO_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
 PROTO_NAMES = {number: name for name, number in PROTO_NUMBERS.items()}
 CLEANUP_PROTOCOLS = ("UDP", "SCTP")  # the service protocols whose flows are cleaned
@@ -97,11 +99,11 @@ FrontendKey = Tuple[str, str, int]  # (protocol, IP, port)
 NodePortKey = Tuple[str, int]  # (protocol, nodePort)
 
 
-class ConntrackError(RuntimeError):
+class ConntrackError(KernelError):
     """The conntrack table could not be read or changed."""
 
 
-class ConntrackUnavailable(ConntrackError):
+class ConntrackUnavailable(ConntrackError, Unavailable):
     """pyroute2, which reads the conntrack table, is not installed."""
 
 

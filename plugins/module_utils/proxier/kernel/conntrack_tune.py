@@ -38,7 +38,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ..config import ConfigError, parse_duration
+from ..durations import parse_duration
+from ..errors import ConfigError, InvalidInput
 from . import conntrack as ct
 from . import sysctl
 
@@ -69,7 +70,7 @@ GLOBAL_REASON = ("global (one value for the whole host): writable only from the 
 READ_ONLY_REASON = "{path} is not writable here (is /proc/sys or /sys mounted read-only, e.g. in a container?)"
 
 
-class TuneError(ValueError):
+class TuneError(InvalidInput):
     """A parameter is invalid; the message names it."""
 
 

@@ -17,18 +17,23 @@ import errno
 import ipaddress
 from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
-from ..backends.ipvs import DUMMY_DEVICE
+from ..errors import KernelError, Unavailable
+from ..names import DUMMY_DEVICE
 
 
-class LinkError(RuntimeError):
-    pass
+class LinkError(KernelError):
+    """kube-ipvs0 could not be read or changed."""
+
+
+class LinkUnavailable(LinkError, Unavailable):
+    """pyroute2 is not installed (IPVS mode cannot have run: it needs pyroute2)."""
 
 
 def _default_iproute(netns: str) -> Any:
     try:
         from pyroute2 import IPRoute
     except ImportError:
-        raise LinkError("IPVS mode needs the pyroute2 Python package (pip install pyroute2)") from None
+        raise LinkUnavailable("IPVS mode needs the pyroute2 Python package (pip install pyroute2)") from None
     if netns:
         # flags=0: never create the namespace (a typo must fail, not make a new one).
         try:

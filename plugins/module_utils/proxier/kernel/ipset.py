@@ -71,9 +71,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ..errors import KernelError, Unavailable
+from ..names import IPSET_MAXNAMELEN  # 31: the kernel's 32 with the NUL
 from . import text as ktext  # the restore-text rules (not a local ``text``)
 
-IPSET_MAXNAMELEN = 31  # IPSET_MAXNAMELEN is 32 in the kernel, including the NUL
 MAX_TIMEOUT = 2147483  # seconds: the largest timeout ipset accepts (UINT_MAX / 2 ms)
 _RANGE_RE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
 MAX_COMMENT = 255
@@ -108,7 +109,7 @@ PORT_PROTOCOLS = ("tcp", "udp", "sctp", "udplite")
 EntryOptions = Dict[str, str]  # option -> value ("" for a flag such as nomatch)
 
 
-class IpsetError(RuntimeError):
+class IpsetError(KernelError):
     """An ipset command failed, or the plan cannot be carried out."""
 
 
@@ -824,6 +825,10 @@ def _plan_set(result: Plan, cur: Optional[IPSet], want: IPSet, entries: Dict[str
 MISSING_TOOL = "the ipset command was not found: install the ipset package on the host"
 
 
+class IpsetToolMissing(IpsetError, Unavailable):
+    """The ipset command is not installed (nothing here can have made a set)."""
+
+
 class IpsetKernel:
     """Runs ``ipset``, optionally inside a network namespace (``ip netns exec NS``)."""
 
@@ -841,10 +846,10 @@ class IpsetKernel:
         try:
             proc = self._run(argv, input=text, capture_output=True, text=True, check=False)
         except FileNotFoundError as exc:
-            raise IpsetError(f"cannot run {argv[0]}: {exc}" if self.prefix else MISSING_TOOL) from None
+            raise IpsetToolMissing(f"cannot run {argv[0]}: {exc}" if self.prefix else MISSING_TOOL) from None
         stderr = proc.stderr or ""
         if proc.returncode != 0 and "exec of" in stderr and "No such file" in stderr:
-            raise IpsetError(MISSING_TOOL)  # `ip netns exec` could not find ipset
+            raise IpsetToolMissing(MISSING_TOOL)  # `ip netns exec` could not find ipset
         return proc
 
     def names(self) -> List[str]:

@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from ..backends.iptables import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey
+from ..errors import KernelError, LockBusy, RestoreError  # noqa: F401 pylint: disable=unused-import
+from ..names import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, TABLES, ChainKey
 
-TABLES = ("filter", "nat")
 BULK_CHAINS = 1000  # chain declarations in one table section that make a restore "bulk"
 DIFF_MAX_CHAINS = 5000  # above this many chains a full sync rewrites instead of diffing
 BUILTIN_BY_TABLE = {"filter": ("INPUT", "FORWARD", "OUTPUT"),
@@ -46,22 +46,6 @@ BUILTIN_BY_TABLE = {"filter": ("INPUT", "FORWARD", "OUTPUT"),
 CANARY_CHAIN = "KUBE-PROXY-CANARY"
 CANARY_TABLES = ("mangle", "nat", "filter")
 RESOURCE_PROBLEM = 4  # iptables' exit status when it could not even try, e.g. the xtables lock is held
-
-
-class KernelError(RuntimeError):
-    pass
-
-
-class RestoreError(KernelError):
-    """iptables-restore refused its input (what upstream counts as a restore failure)."""
-
-
-class LockBusy(RestoreError):
-    """Another program held the xtables lock (iptables-legacy) for the whole wait: nothing
-    was applied, so what we remember of the kernel is still right and a retry can come at
-    once (and needs no full sync)."""
-
-    retry_soon = True
 
 
 @dataclass

@@ -49,6 +49,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ..errors import KernelError, Unavailable
 from . import ipvs_netlink as nl
 
 # --------------------------------------------------------------------------
@@ -135,7 +136,7 @@ PendingKey = Tuple[ServiceKey, DestKey]
 # errors
 
 
-class IPVSError(RuntimeError):
+class IPVSError(KernelError):
     """An IPVS operation failed. ``code`` is the errno (0 if none)."""
 
     def __init__(self, message: str, code: int = 0) -> None:
@@ -143,7 +144,7 @@ class IPVSError(RuntimeError):
         self.code = code
 
 
-class IPVSUnavailable(IPVSError):
+class IPVSUnavailable(IPVSError, Unavailable):
     """The kernel has no IPVS, or IPVS cannot be reached (missing network
     namespace, pyroute2 missing for a namespace, no permission)."""
 

@@ -31,6 +31,8 @@ import socket
 import struct
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..errors import KernelError, Unavailable
+
 NETLINK_GENERIC = 16
 SOL_NETLINK = 270
 NETLINK_CAP_ACK = 10
@@ -111,7 +113,7 @@ DEFAULT_BATCH = 128  # requests per datagram
 RECV_BUFFER = 1 << 17
 
 
-class NetlinkError(OSError):
+class NetlinkError(OSError, KernelError):
     """The kernel answered a request with an error (``errno`` is set)."""
 
     def __init__(self, code: int, what: str = "") -> None:
@@ -122,7 +124,7 @@ class NetlinkError(OSError):
         return f"{self.what}: {self.strerror}" if self.what else str(self.strerror)
 
 
-class Pyroute2Missing(ImportError):
+class Pyroute2Missing(Unavailable, ImportError):
     """A network namespace was asked for and pyroute2 is not installed."""
 
 

@@ -28,13 +28,18 @@ import subprocess
 import sys
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+try:
+    from ..errors import KernelError
+except ImportError:  # loaded by path in another network namespace (_ENSURE_IN_NETNS): no package there
+    KernelError = RuntimeError  # type: ignore[misc,assignment]  # pylint: disable=invalid-name
+
 PROC_SYS = "/proc/sys"
 # Lets packets to 127.0.0.0/8 be routed off the host after DNAT: localhost NodePorts need it.
 ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
 READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EOPNOTSUPP)
 
 
-class SysctlError(RuntimeError):
+class SysctlError(KernelError):
     """A sysctl or module parameter could not be read or written."""
 
 
@@ -121,7 +126,8 @@ def ensure_here(values: Mapping[str, object], check: bool = False, root: str = P
         path = key_path(key, root)
         have = read_text(path)
         if have is None:
-            raise SysctlError(f"{key}: no such sysctl ({path})")
+            hint = " (is the ip_vs kernel module loaded?)" if "/vs/" in path else ""
+            raise SysctlError(f"{key}: no such sysctl ({path}){hint}")
         if have.split() == str(value).split():
             continue
         if not check:
@@ -167,6 +173,19 @@ def ensure(values: Mapping[str, object], netns: str = "", check: bool = False,
         raise SysctlError(f"cannot set {', '.join(args)} in network namespace {netns}: "
                           f"{detail[-1][:200] if detail else f'exit status {proc.returncode}'}")
     return dict(out["changed"])
+
+
+class Sysctls:
+    """:func:`ensure` bound to a network namespace (what a proxier holds; tests pass an
+    object with the same ``ensure``)."""
+
+    def __init__(self, netns: str = "", runner: Callable[..., Any] = subprocess.run) -> None:
+        self.netns = netns
+        self._run = runner
+
+    def ensure(self, values: Mapping[str, object]) -> Dict[str, str]:
+        """Set the keys that differ; returns {key: "old -> new"}; raises SysctlError."""
+        return ensure(values, self.netns, runner=self._run) if values else {}
 
 
 def render_lines(values: Iterable[Tuple[str, object]]) -> str:

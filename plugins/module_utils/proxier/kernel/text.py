@@ -35,6 +35,8 @@ import re
 import socket
 from typing import Any
 
+from ..errors import InvalidInput
+
 MAX_SHOWN = 200  # characters of a refused value quoted in a message
 IPT_MAX_COMMENT = 255  # bytes, xt_comment's limit without the NUL
 IPT_MAX_TOKEN = 1023  # add_param_to_argv's buffer, without the NUL
@@ -56,7 +58,7 @@ _NFT_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9/\\_.-]*")
 _PORT_PROTOCOLS = frozenset(("TCP", "UDP", "SCTP", "tcp", "udp", "sctp"))
 
 
-class UnsafeText(ValueError):
+class UnsafeText(InvalidInput):
     """A value that cannot be written into kernel tool input as the one token it must be."""
 
     def __init__(self, field: str, value: Any, problem: str) -> None:

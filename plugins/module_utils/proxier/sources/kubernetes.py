@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from ..errors import SourceError
+
 # (kind, event type, object) for watch events; (kind, objects) for a full relist.
 EventFn = Callable[[str, str, Dict[str, Any]], None]
 RelistFn = Callable[[str, List[Dict[str, Any]]], None]
@@ -108,8 +110,8 @@ class KubernetesSource:
                 resp = getattr(w, "_resp", None)
                 if resp is not None:
                     resp.close()  # unblock a read in progress
-            except Exception:  # pragma: no cover - best effort on shutdown
-                pass
+            except Exception as e:  # pragma: no cover - best effort on shutdown, but say so
+                self.log(f"stopping a watch: {e}")
         for t in self._threads:
             t.join(timeout)
 
@@ -222,7 +224,7 @@ class KubernetesSource:
             self._watches.pop(res.kind, None)
 
 
-class _Gone(Exception):
+class _Gone(SourceError):
     pass
 
 

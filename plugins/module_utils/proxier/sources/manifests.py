@@ -289,6 +289,10 @@ class DirectoryTracker:
             return next(iter(holders.values()))
         return holders[max(holders, key=lambda p: self._files[p].order)]
 
+    def files(self) -> List[_File]:
+        """The files as last read (each with the errors of its last read)."""
+        return list(self._files.values())
+
     def objects(self) -> List[Any]:
         return [obj for obj in (self.effective(i) for i in self._holders) if obj is not None]
 

@@ -1,11 +1,11 @@
 # Copyright (c) kubenode.proxy contributors
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""IPVS mode: state -> compile (per service, backends/ipvs.py) -> apply to five kernel
+"""IPVS mode: state -> compile (per service, modes/ipvs/compile.py) -> apply to five kernel
 parts: sysctls, the ``kube-ipvs0`` dummy link, upstream's ipsets, IPVS virtual services
 with their real servers, and the iptables rules IPVS mode keeps (one iptables-restore
 through the iptables planner).
 
-Same interface as :class:`~.iptables_proxier.IptablesProxier` (``sync``, ``cleanup``,
+Same interface as :class:`~..iptables.proxier.IptablesProxier` (``sync``, ``cleanup``,
 ``rule_counts``, ``cfg``, ``last_attempt_full``), so the daemon and the command line
 drive either.
 
@@ -29,28 +29,26 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .backends import ipvs as ipvsc
-from .backends.iptables import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
-from .backends.iptables_plan import TABLES, Plan, plan
-from .gcpause import paused_gc
-from .iptables_proxier import SyncResult
-from .kernel import ipvs as kipvs
-from .kernel.addresses import match_node_port_addresses, primary_address
-from .kernel.dummy_link import DummyLink
-from .kernel.ipset import IPSet, IpsetKernel, temp_name
-from .kernel.ipset import plan as ipset_plan
-from .kernel.ipset_specs import kube_ipset
-from .kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
-from .model import ValidationError
-from .state import ProxyState
+from ...gcpause import paused_gc
+from ...kernel import ipvs as kipvs
+from ...kernel.addresses import match_node_port_addresses, node_addresses, primary_address
+from ...kernel.dummy_link import DummyLink, LinkUnavailable
+from ...kernel.ipset import IPSet, IpsetKernel, IpsetToolMissing, temp_name
+from ...kernel.ipset import plan as ipset_plan
+from ...kernel.ipset_specs import kube_ipset
+from ...kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
+from ...kernel.ipvs_timeouts import set_timeouts
+from ...kernel.sysctl import Sysctls
+from ...provider import ProxierBase, SyncResult
+from ...state import ProxyState
+from ..iptables.compile import BUILTIN_CHAINS, OWN_STATIC_CHAINS, SERVICE_CHAIN_PREFIXES, ChainKey, IptablesConfig
+from ..iptables.plan import TABLES, Plan, plan
+from . import compile as ipvsc
 
 # Chains this proxy may own in either mode. KUBE-FIREWALL (iptables mode's localnet
 # guard, also written by older kubelets) is only removed by --cleanup, never by a sync.
@@ -87,29 +85,6 @@ class IpvsSyncResult(SyncResult):
 # --- configuration ------------------------------------------------------------------------
 
 
-def node_addresses(netns: str = "", family: int = 4, exclude_link: str = ipvsc.DUMMY_DEVICE,
-                   runner: Callable[..., Any] = subprocess.run) -> List[str]:
-    """This node's addresses except loopback, IPv6 link-local and those on ``exclude_link``
-    (upstream's GetAllLocalAddressesExcept + isValidForSet)."""
-    argv = (["ip", "netns", "exec", netns] if netns else []) + ["ip", "-j", f"-{family}", "addr", "show"]
-    proc = runner(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise KernelError(f"cannot list local addresses: {proc.stderr.strip()}")
-    out: List[str] = []
-    for link in json.loads(proc.stdout or "[]"):
-        if link.get("ifname") == exclude_link:
-            continue
-        for a in link.get("addr_info", []):
-            ip = a.get("local")
-            if not ip:
-                continue
-            addr = ipaddress.ip_address(ip)
-            if addr.is_loopback or (addr.version == 6 and addr.is_link_local) or ip in out:
-                continue
-            out.append(ip)
-    return out
-
-
 def ipvs_config(cfg: Any, iptables: IptablesConfig, netns: str = "",
                 addresses: Optional[Sequence[str]] = None) -> ipvsc.IpvsConfig:
     """The compiler's configuration from a ProxyConfig (``cfg``) and the iptables settings
@@ -129,75 +104,6 @@ def ipvs_config(cfg: Any, iptables: IptablesConfig, netns: str = "",
 
 
 # --- sysctls ------------------------------------------------------------------------------------
-
-_SYSCTL_SCRIPT = r"""
-import json, sys
-out = {}
-for arg in sys.argv[1:]:
-    key, value = arg.split("=", 1)
-    path = "/proc/sys/" + key
-    try:
-        with open(path) as fh:
-            have = fh.read().strip()
-    except OSError as e:
-        out[key] = "error: " + str(e)
-        continue
-    if have.split() == value.split():
-        continue
-    try:
-        with open(path, "w") as fh:
-            fh.write(value)
-        out[key] = have + " -> " + value
-    except OSError as e:
-        out[key] = "error: " + str(e)
-print(json.dumps(out))
-"""
-
-
-class Sysctls:
-    """Upstream's EnsureSysctl for a set of keys, in this process's network namespace
-    (direct /proc/sys access) or another one (one ``ip netns exec NS python3 -c ...``)."""
-
-    def __init__(self, netns: str = "", runner: Callable[..., Any] = subprocess.run) -> None:
-        self.netns = netns
-        self._run = runner
-
-    def ensure(self, values: Mapping[str, str]) -> Dict[str, str]:
-        """Set the keys that differ; returns {key: "old -> new"}; raises for any error."""
-        args = [f"{k}={v}" for k, v in sorted(values.items())]
-        if not args:
-            return {}
-        if self.netns:
-            argv = ["ip", "netns", "exec", self.netns, sys.executable or "python3", "-c", _SYSCTL_SCRIPT, *args]
-            proc = self._run(argv, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise KernelError(f"cannot set sysctls in {self.netns}: {proc.stderr.strip()}")
-            result = json.loads(proc.stdout or "{}")
-        else:
-            result = _ensure_local(values)
-        errors = {k: v for k, v in result.items() if v.startswith("error:")}
-        if errors:
-            hint = " (is the ip_vs kernel module loaded?)" if any("/vs/" in k for k in errors) else ""
-            raise KernelError("cannot set sysctls: " + "; ".join(f"{k}: {v[7:]}" for k, v in sorted(errors.items()))
-                              + hint)
-        return result
-
-
-def _ensure_local(values: Mapping[str, str]) -> Dict[str, str]:
-    out: Dict[str, str] = {}
-    for key, value in sorted(values.items()):
-        path = os.path.join("/proc/sys", key)
-        try:
-            with open(path, encoding="ascii") as fh:
-                have = fh.read().strip()
-            if have.split() == value.split():
-                continue
-            with open(path, "w", encoding="ascii") as fh:
-                fh.write(value)
-            out[key] = f"{have} -> {value}"
-        except OSError as e:
-            out[key] = f"error: {e}"
-    return out
 
 
 def ipvs_sysctls(cfg: ipvsc.IpvsConfig, kernel_release: Optional[str] = None) -> Dict[str, str]:
@@ -278,13 +184,14 @@ def _ipset(name: str, entries: Iterable[str]) -> IPSet:
     return kube_ipset(name, entries=sorted(entries))  # created as upstream creates it
 
 
-class IpvsProxier:
+class IpvsProxier(ProxierBase):
+    name = "ipvs"
+
     def __init__(self, state: ProxyState, cfg: ipvsc.IpvsConfig, iptables: IptablesKernel, netns: str = "", *,
                  ipvs_kernel: Any = None, ipset_kernel: Any = None, link: Any = None,
                  sysctls: Optional[Sysctls] = None, clock: Callable[[], float] = time.monotonic,
                  refresh: Optional[Callable[[], ipvsc.IpvsConfig]] = None) -> None:
-        self.state = state
-        self.cfg = cfg
+        super().__init__(state, cfg)
         self.iptables = iptables
         self.netns = netns
         self._ipvs = ipvs_kernel
@@ -296,16 +203,16 @@ class IpvsProxier:
         # which VIPs are bound (upstream reads them at every sync).
         self.refresh = refresh
         self.agg = ipvsc.Aggregate()
-        self.need_full = True
-        self.pending_repair = ""  # set by check(): the next sync is a full one that repairs
         self._canaries_made = False
-        self.last_attempt_full = True
         self._restore_failed = False  # an iptables-restore of the current sync failed
         self.pending: Dict[Any, float] = {}  # graceful removals: (service key, dest key) -> since
         self._sets: Dict[str, Any] = {}  # ipset name -> kernel IPSet as last applied
         self._rules: Dict[ChainKey, List[str]] = {}  # iptables rules as last applied
         self._timeouts_done = False
-        self.rejected: Dict[str, str] = {}  # service key -> why the compiler refused it
+
+    @classmethod
+    def create(cls, state: ProxyState, cfg: ipvsc.IpvsConfig, ctx: Any) -> IpvsProxier:
+        return cls(state, cfg, ctx.iptables, ctx.netns, refresh=ctx.refresh)
 
     # --- kernel handles (created on first use: pyroute2 and IPVS are only needed then) ---
 
@@ -337,34 +244,20 @@ class IpvsProxier:
     def _compile(self, key: str) -> Optional[ipvsc.ServiceIPVS]:
         """One service's state; a service the compiler refuses is named in ``rejected`` and
         keeps its last good state (self.agg holds what was applied), or is left out."""
-        if key not in self.state.services:
-            self.rejected.pop(key, None)
-            return None
-        try:
-            result = ipvsc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
-        except ValidationError as e:
-            self.rejected[key] = str(e)
-            return self.agg.services.get(key)
-        self.rejected.pop(key, None)
-        return result
+        return self._compile_checked(key, lambda: ipvsc.compile_service(
+            self.state.ports_of(key), self.state.endpoints_for(key), self.cfg), self.agg.services.get(key))
 
     def sync(self, force_full: bool = False) -> IpvsSyncResult:
         start = time.monotonic()
         changed = self.state.take_changes()
-        full = force_full or self.need_full or bool(self.pending_repair)
-        self.last_attempt_full = full
+        full = self._begin(force_full)
         self._restore_failed = False
         try:
             result = self._full_sync(start) if full else self._partial_sync(changed, start)
         except Exception:
-            self.state._changed |= changed
-            self.need_full = True
+            self._requeue(changed)
             raise
-        self.need_full = False
-        self.pending_repair = ""
-        result.changed = changed
-        result.rejected = dict(self.rejected)
-        return result
+        return self._done(result, changed)
 
     def check(self) -> bool:
         """The every-second check (as iptables mode's, and upstream's IPVS Monitor): True when
@@ -382,13 +275,14 @@ class IpvsProxier:
 
     def _full_sync(self, start: float) -> IpvsSyncResult:
         t0 = time.monotonic()
+        kept = ""
         if self.refresh is not None:
             try:
                 self.cfg = self.refresh()
-            except Exception:  # keep the addresses we know; the sync itself may still work
-                pass
+            except (KernelError, ValueError) as e:  # keep the addresses we know; the sync may still work
+                kept = f"! node addresses not re-read ({e}): keeping the last ones"
         agg = ipvsc.Aggregate()
-        self.rejected = {k: v for k, v in self.rejected.items() if k in self.state.services}
+        self._forget_gone_rejections()
         with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
             for key in self.state.service_keys():
                 agg.set(key, self._compile(key))
@@ -396,7 +290,7 @@ class IpvsProxier:
         compile_s = time.monotonic() - t0
         self.agg = agg
         errors: List[str] = []
-        changes: List[str] = []
+        changes: List[str] = [kept] if kept else []
         t1 = time.monotonic()
 
         # 1. sysctls and the dummy link; without them nothing else works.
@@ -581,19 +475,14 @@ class IpvsProxier:
         return [f"ipvs {op}" for op in p.ops]
 
     def _ipvs_timeouts(self, changes: List[str], errors: List[str]) -> None:
-        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (``ipvsadm --set``; 0 keeps a value)."""
+        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (0 keeps a value), once."""
         cfg = self.cfg
         if self._timeouts_done or not (cfg.tcp_timeout or cfg.tcp_fin_timeout or cfg.udp_timeout):
             return
-        argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + [
-            "ipvsadm", "--set", str(int(cfg.tcp_timeout)), str(int(cfg.tcp_fin_timeout)), str(int(cfg.udp_timeout))]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-        except OSError as e:
-            errors.append(f"IPVS timeouts: cannot run ipvsadm: {e}")
-            return
-        if proc.returncode != 0:
-            errors.append(f"IPVS timeouts: ipvsadm --set failed: {proc.stderr.strip()}")
+            set_timeouts(self.netns, cfg.tcp_timeout, cfg.tcp_fin_timeout, cfg.udp_timeout)
+        except KernelError as e:
+            errors.append(f"IPVS timeouts: {e}")
             return
         self._timeouts_done = True
         changes.append(f"~ ipvs timeouts tcp {int(cfg.tcp_timeout)} tcpfin {int(cfg.tcp_fin_timeout)} "
@@ -623,15 +512,21 @@ class IpvsProxier:
 
     # --- cleanup -------------------------------------------------------------------------
 
-    def cleanup(self) -> int:
+    def cleanup(self, leftovers_only: bool = False) -> int:
         """Remove what IPVS mode (and iptables mode) creates: virtual services (those inside
         ``excludeCIDRs`` stay), ``kube-ipvs0``, our chains and jumps in both tables, then our
         ipsets (a set still used by a rule cannot go, so rules go first). Returns the number
-        of objects removed. IPVS missing from the kernel is not an error here."""
+        of objects removed. IPVS missing from the kernel is not an error here; with
+        ``leftovers_only`` (another mode is configured) neither are a missing pyroute2 or
+        ipset command: IPVS mode needs both, so it never ran here. Nor, then, are virtual
+        services ours unless ``kube-ipvs0`` exists (IPVS mode always makes it): virtual
+        services of a host's own load balancer (keepalived) stay."""
         removed = 0
         errors: List[str] = []
         try:
-            if self.cfg.exclude_cidrs:
+            if leftovers_only and self.link.index() is None:
+                pass  # IPVS mode never ran here (or was cleaned up): no virtual service is ours
+            elif self.cfg.exclude_cidrs:
                 services = [s for s in self.ipvs.services() if not _excluded(s.virtual.address, self.cfg.exclude_cidrs)]
                 result = self.ipvs.apply([kipvs.Op(kipvs.DELETE_SERVICE, s.virtual) for s in services])
                 removed += result.applied
@@ -639,13 +534,16 @@ class IpvsProxier:
             else:
                 removed += len(self.ipvs.virtual_servers())
                 self.ipvs.flush()
-        except kipvs.IPVSUnavailable:
-            pass
+        except (kipvs.IPVSUnavailable, LinkUnavailable):
+            pass  # no IPVS in this kernel, or no pyroute2: IPVS mode cannot have run
         except Exception as e:
             errors.append(f"IPVS: {e}")
         try:
             if self.link.delete():
                 removed += 1
+        except LinkUnavailable as e:
+            if not leftovers_only:
+                errors.append(f"{ipvsc.DUMMY_DEVICE}: {e}")
         except Exception as e:
             if getattr(e, "code", None) != errno.EOPNOTSUPP:
                 errors.append(f"{ipvsc.DUMMY_DEVICE}: {e}")
@@ -671,6 +569,9 @@ class IpvsProxier:
             if names:
                 self.ipset.restore([f"destroy {n}" for n in names])
                 removed += len(names)
+        except IpsetToolMissing as e:
+            if not leftovers_only:
+                errors.append(f"ipsets: {e}")
         except Exception as e:
             errors.append(f"ipsets: {e}")
         self.agg = ipvsc.Aggregate()
@@ -681,3 +582,18 @@ class IpvsProxier:
         if errors:
             raise IpvsSyncError("cleanup incomplete: " + "; ".join(errors))
         return removed
+
+
+# --- the mode registry's hook (modes/__init__.py) -----------------------------------------
+
+
+def cleanup_ipvs(ctx: Any) -> int:
+    """Upstream's IPVS-mode cleanup: virtual services (those inside ``ipvs.excludeCIDRs``
+    stay), kube-ipvs0, the KUBE chains of both modes and their jumps, the ipsets."""
+    exclude = tuple(ctx.config.ipvs.exclude_cidrs) if ctx.config is not None else ()
+    proxier = IpvsProxier(ProxyState(""), ipvsc.IpvsConfig(iptables=IptablesConfig(), exclude_cidrs=exclude),
+                          ctx.iptables, ctx.netns)
+    try:
+        return proxier.cleanup(leftovers_only=ctx.leftovers_only)
+    finally:
+        proxier.close()

@@ -20,38 +20,35 @@ import socket
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from ..endpoints import categorize
-from ..kernel import text
-from ..model import Endpoint, ServicePort
-from . import checked
+from ...endpoints import Categorized, categorize
+from ...kernel import text
+from ...model import Endpoint, ServicePort
 
-FILTER = "filter"
-NAT = "nat"
+# The names live in names.py (a leaf); callers keep using ipt.KUBE_SERVICES and the like.
+from ...names import (  # noqa: F401 pylint: disable=unused-import
+    BUILTIN_CHAINS,
+    FILTER,
+    KUBE_EXTERNAL_SERVICES,
+    KUBE_FIREWALL,
+    KUBE_FORWARD,
+    KUBE_MARK_MASQ,
+    KUBE_NODEPORTS,
+    KUBE_POSTROUTING,
+    KUBE_PROXY_FIREWALL,
+    KUBE_SERVICES,
+    NAT,
+    OWN_STATIC_CHAINS,
+    SERVICE_CHAIN_PREFIXES,
+    SHARED_CHAINS,
+    ChainKey,
+)
+from .. import checked
 
-KUBE_SERVICES = "KUBE-SERVICES"
-KUBE_EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
-KUBE_NODEPORTS = "KUBE-NODEPORTS"
-KUBE_POSTROUTING = "KUBE-POSTROUTING"
-KUBE_MARK_MASQ = "KUBE-MARK-MASQ"
-KUBE_FORWARD = "KUBE-FORWARD"
-KUBE_PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
-KUBE_FIREWALL = "KUBE-FIREWALL"
-
-# Per-service chain prefixes; only chains with these prefixes are ever garbage-collected.
-SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
-# Chains every service adds rules to: diffed rule by rule, never rewritten for one service.
-SHARED_CHAINS = frozenset({KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_NODEPORTS, KUBE_PROXY_FIREWALL})
-OWN_STATIC_CHAINS = frozenset({
-    KUBE_SERVICES, KUBE_EXTERNAL_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ, KUBE_FORWARD,
-    KUBE_PROXY_FIREWALL, KUBE_FIREWALL,
-})
-BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
 # Upstream drops comments from per-endpoint rules above this many endpoints (smaller ruleset).
 LARGE_CLUSTER_ENDPOINTS = 1000
 
 NODEPORTS_TAIL_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 
-ChainKey = Tuple[str, str]  # (table, chain)
 _pton = socket.inet_pton
 _AF_INET = socket.AF_INET
 
@@ -350,151 +347,213 @@ def _compile_cluster_ip_port(out: ServiceRules, svc: ServicePort, eps: Sequence[
     out.endpoints += n
 
 
+class _Port:
+    """One service port's decisions, as upstream's syncProxyRules makes them before writing
+    any rule: which chains exist, where each kind of traffic goes, and what a port without
+    (local) endpoints answers."""
+
+    __slots__ = ("proto", "raw", "name", "cat", "has_endpoints", "cluster_chain", "local_chain", "external_chain",
+                 "firewall_chain", "uses_cluster_chain", "uses_local_chain", "internal_chain", "has_internal",
+                 "external_policy_chain", "has_external", "uses_external_chain", "uses_fw_chain", "lb_chain",
+                 "internal_target", "external_target", "internal_comment", "external_comment", "cluster_ip_match")
+
+    def __init__(self, svc: ServicePort, cat: Categorized, name: str) -> None:
+        proto = self.proto = svc.protocol.lower()
+        raw = self.raw = svc.name.text  # hashed as it is; ``name`` (escaped for comments) goes into the text
+        self.name = name = name or raw
+        self.cat = cat
+        has_endpoints = self.has_endpoints = cat.has_any
+
+        port_hash = port_proto_hash(raw, proto)  # svc_chain() etc., with one hash for the four
+        self.cluster_chain = "KUBE-SVC-" + port_hash
+        self.local_chain = "KUBE-SVL-" + port_hash
+        self.external_chain = "KUBE-EXT-" + port_hash
+        self.firewall_chain = "KUBE-FW-" + port_hash
+        self.uses_cluster_chain = bool(cat.cluster) and svc.uses_cluster_endpoints
+        self.uses_local_chain = bool(cat.local) and svc.uses_local_endpoints
+
+        self.internal_chain = self.cluster_chain
+        self.has_internal = has_endpoints
+        if svc.internal_policy_local:
+            self.internal_chain = self.local_chain
+            self.has_internal = has_endpoints and bool(cat.local)
+        self.external_policy_chain = self.cluster_chain
+        self.has_external = has_endpoints
+        if svc.uses_external_local:
+            self.external_policy_chain = self.local_chain
+            self.has_external = has_endpoints and bool(cat.local)
+        self.uses_external_chain = has_endpoints and svc.externally_accessible
+        self.uses_fw_chain = has_endpoints and bool(svc.load_balancer_ips) and bool(svc.load_balancer_source_ranges)
+        self.lb_chain = self.firewall_chain if self.uses_fw_chain else self.external_chain
+
+        if not has_endpoints:
+            self.internal_target = self.external_target = "REJECT --reject-with icmp-port-unreachable" \
+                if ":" not in svc.cluster_ip else "REJECT --reject-with icmp6-port-unreachable"
+            self.internal_comment = self.external_comment = f"{name} has no endpoints"
+        else:
+            self.internal_target = self.external_target = "DROP"
+            self.internal_comment = self.external_comment = f"{name} has no local endpoints"
+        # The cluster IP rules every port with endpoints has are written directly (the text
+        # rule() gives; the golden tests hold both to upstream's output).
+        self.cluster_ip_match = f'-p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {svc.port}'
+
+    def rule(self, **kw: object) -> str:
+        return rule(proto=self.proto, **kw)  # type: ignore[arg-type]
+
+
 def _compile_port(out: ServiceRules, svc: ServicePort, eps: Sequence[Endpoint], cfg: IptablesConfig,
                   name: str = "") -> None:
-    proto = svc.protocol.lower()
-    raw = svc.name.text  # hashed as it is; ``name`` (escaped for comments) goes into the text
-    name = name or raw
-    detector = cfg.detector
+    """One service port, in the order of upstream's syncProxyRules: the service dispatch
+    rules (cluster IP, external IPs, load balancer IPs, NodePort, health check), then the
+    port's own chains (masquerade, external, firewall, endpoint jumps, endpoints)."""
     cat = categorize(eps, svc)
     checked.endpoints(svc, cat.reachable)  # the endpoints that reach the text
-    has_endpoints = cat.has_any
-
-    port_hash = port_proto_hash(raw, proto)  # svc_chain() etc., with one hash for the four
-    cluster_chain = "KUBE-SVC-" + port_hash
-    local_chain = "KUBE-SVL-" + port_hash
-    external_chain = "KUBE-EXT-" + port_hash
-    firewall_chain = "KUBE-FW-" + port_hash
-    uses_cluster_chain = bool(cat.cluster) and svc.uses_cluster_endpoints
-    uses_local_chain = bool(cat.local) and svc.uses_local_endpoints
-
-    internal_chain = cluster_chain
-    has_internal = has_endpoints
-    if svc.internal_policy_local:
-        internal_chain = local_chain
-        has_internal = has_internal and bool(cat.local)
-    external_policy_chain = cluster_chain
-    has_external = has_endpoints
-    if svc.uses_external_local:
-        external_policy_chain = local_chain
-        has_external = has_external and bool(cat.local)
-    uses_external_chain = has_endpoints and svc.externally_accessible
-    uses_fw_chain = has_endpoints and bool(svc.load_balancer_ips) and bool(svc.load_balancer_source_ranges)
-    lb_chain = firewall_chain if uses_fw_chain else external_chain
-
-    if not has_endpoints:
-        internal_target = external_target = "REJECT --reject-with icmp-port-unreachable" if ":" not in svc.cluster_ip \
-            else "REJECT --reject-with icmp6-port-unreachable"
-        internal_comment = external_comment = f"{name} has no endpoints"
+    p = _Port(svc, cat, name)
+    if not p.has_endpoints:
         out.no_endpoint_ports += 1
+    _cluster_ip_rules(out, p, svc)
+    _external_ip_rules(out, p, svc)
+    _load_balancer_rules(out, p, svc)
+    _node_port_rules(out, p, svc)
+    _health_check_rule(out, p, svc)
+    _masquerade_rules(out.chains, p, svc, cfg)
+    _external_chain(out.chains, p, svc, cfg)
+    _firewall_chain(out.chains, p, svc, cfg)
+    _endpoint_chains(out, p, svc, cfg)
+
+
+def _add(chains: Dict[ChainKey, List[str]], chain: str, text: str) -> None:
+    chains.setdefault((NAT, chain), []).append(text)
+
+
+def _cluster_ip_rules(out: ServiceRules, p: _Port, svc: ServicePort) -> None:
+    """ClusterIP: to the internal-policy chain, or rejected/dropped without endpoints."""
+    if p.has_internal:
+        out.add_shared(NAT, KUBE_SERVICES, f"-d {_host(svc.cluster_ip)} {p.cluster_ip_match} -j {p.internal_chain}")
     else:
-        internal_target = external_target = "DROP"
-        internal_comment = external_comment = f"{name} has no local endpoints"
+        out.add_shared(FILTER, KUBE_SERVICES, p.rule(
+            dst=_host(svc.cluster_ip), comment=p.internal_comment, dport=svc.port, target=p.internal_target))
 
-    def port_rule(**kw: object) -> str:
-        return rule(proto=proto, **kw)  # type: ignore[arg-type]
 
-    # ClusterIP. The two rules every cluster IP with endpoints has are written directly (the
-    # text rule() gives; the golden tests hold both to upstream's output).
-    cluster_ip_match = f'-p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {svc.port}'
-    if has_internal:
-        out.add_shared(NAT, KUBE_SERVICES, f"-d {_host(svc.cluster_ip)} {cluster_ip_match} -j {internal_chain}")
-    else:
-        out.add_shared(FILTER, KUBE_SERVICES, port_rule(
-            dst=_host(svc.cluster_ip), comment=internal_comment, dport=svc.port, target=internal_target))
-
-    # externalIPs
+def _external_ip_rules(out: ServiceRules, p: _Port, svc: ServicePort) -> None:
+    """externalIPs: to the external chain; without (local) endpoints, rejected/dropped."""
     for ip in svc.external_ips:
-        if has_endpoints:
-            out.add_shared(NAT, KUBE_SERVICES, port_rule(
-                dst=_host(ip), comment=f"{name} external IP", dport=svc.port, target=external_chain))
-        if not has_external:
-            out.add_shared(FILTER, KUBE_EXTERNAL_SERVICES, port_rule(
-                dst=_host(ip), comment=external_comment, dport=svc.port, target=external_target))
+        if p.has_endpoints:
+            out.add_shared(NAT, KUBE_SERVICES, p.rule(
+                dst=_host(ip), comment=f"{p.name} external IP", dport=svc.port, target=p.external_chain))
+        if not p.has_external:
+            out.add_shared(FILTER, KUBE_EXTERNAL_SERVICES, p.rule(
+                dst=_host(ip), comment=p.external_comment, dport=svc.port, target=p.external_target))
 
-    # LoadBalancer ingress IPs
+
+def _load_balancer_rules(out: ServiceRules, p: _Port, svc: ServicePort) -> None:
+    """LoadBalancer ingress IPs: to the firewall chain (source ranges) or the external
+    chain; what the firewall does not accept is dropped in KUBE-PROXY-FIREWALL."""
     for ip in svc.load_balancer_ips:
-        if has_endpoints:
-            out.add_shared(NAT, KUBE_SERVICES, port_rule(
-                dst=_host(ip), comment=f"{name} loadbalancer IP", dport=svc.port, target=lb_chain))
-        if uses_fw_chain:
-            out.add_shared(FILTER, KUBE_PROXY_FIREWALL, port_rule(
-                dst=_host(ip), comment=f"{name} traffic not accepted by {firewall_chain}", dport=svc.port,
+        if p.has_endpoints:
+            out.add_shared(NAT, KUBE_SERVICES, p.rule(
+                dst=_host(ip), comment=f"{p.name} loadbalancer IP", dport=svc.port, target=p.lb_chain))
+        if p.uses_fw_chain:
+            out.add_shared(FILTER, KUBE_PROXY_FIREWALL, p.rule(
+                dst=_host(ip), comment=f"{p.name} traffic not accepted by {p.firewall_chain}", dport=svc.port,
                 target="DROP"))
-    if not has_external:
+    if not p.has_external:
         for ip in svc.load_balancer_ips:
-            out.add_shared(FILTER, KUBE_EXTERNAL_SERVICES, port_rule(
-                dst=_host(ip), comment=external_comment, dport=svc.port, target=external_target))
+            out.add_shared(FILTER, KUBE_EXTERNAL_SERVICES, p.rule(
+                dst=_host(ip), comment=p.external_comment, dport=svc.port, target=p.external_target))
 
-    # NodePort
-    if svc.node_port:
-        if has_endpoints:
-            out.add_shared(NAT, KUBE_NODEPORTS, port_rule(
-                comment=name, dport=svc.node_port, target=external_chain))
-        if not has_external:
-            out.add_shared(FILTER, KUBE_EXTERNAL_SERVICES, port_rule(
-                comment=external_comment, matches=("-m addrtype --dst-type LOCAL",), dport=svc.node_port,
-                target=external_target))
 
+def _node_port_rules(out: ServiceRules, p: _Port, svc: ServicePort) -> None:
+    """NodePort: to the external chain; without (local) endpoints, rejected/dropped."""
+    if not svc.node_port:
+        return
+    if p.has_endpoints:
+        out.add_shared(NAT, KUBE_NODEPORTS, p.rule(comment=p.name, dport=svc.node_port, target=p.external_chain))
+    if not p.has_external:
+        out.add_shared(FILTER, KUBE_EXTERNAL_SERVICES, p.rule(
+            comment=p.external_comment, matches=("-m addrtype --dst-type LOCAL",), dport=svc.node_port,
+            target=p.external_target))
+
+
+def _health_check_rule(out: ServiceRules, p: _Port, svc: ServicePort) -> None:
     if svc.health_check_node_port:
         out.add_shared(FILTER, KUBE_NODEPORTS, rule(
-            proto="tcp", comment=f"{name} health check node port", dport=svc.health_check_node_port,
+            proto="tcp", comment=f"{p.name} health check node port", dport=svc.health_check_node_port,
             target="ACCEPT"))
 
+
+def _masquerade_rules(chains: Dict[ChainKey, List[str]], p: _Port, svc: ServicePort, cfg: IptablesConfig) -> None:
+    """Internal traffic: masquerade off-cluster sources so replies come back through us."""
+    if not p.has_internal:
+        return
+    detector = cfg.detector
+    if cfg.masquerade_all:
+        _add(chains, p.internal_chain, f"-d {_host(svc.cluster_ip)} {p.cluster_ip_match} -j {KUBE_MARK_MASQ}")
+    elif detector.implemented:
+        _add(chains, p.internal_chain, f"{detector.not_local_before_dst}-d {_host(svc.cluster_ip)}"
+                                       f"{detector.not_local_after_dst} {p.cluster_ip_match} -j {KUBE_MARK_MASQ}")
+
+
+def _external_chain(chains: Dict[ChainKey, List[str]], p: _Port, svc: ServicePort, cfg: IptablesConfig) -> None:
+    """KUBE-EXT-: masquerade external traffic (or, with the Local policy, only the node's
+    own and pods' traffic), then the external-policy chain."""
+    if not p.uses_external_chain:
+        return
+    chains.setdefault((NAT, p.external_chain), [])
+    name = p.name
+    if not svc.uses_external_local:
+        _add(chains, p.external_chain, rule(comment=f"masquerade traffic for {name} external destinations",
+                                            target=KUBE_MARK_MASQ))
+    else:
+        detector = cfg.detector
+        if detector.implemented:
+            # Pod -> external VIP traffic is not subject to the external policy: it acts
+            # as if it went out to a load balancer and came back.
+            _add(chains, p.external_chain, rule(comment=f"pod traffic for {name} external destinations",
+                                                target=p.cluster_chain, **_local_kw(detector.if_local())))
+        _add(chains, p.external_chain, rule(comment=f"masquerade LOCAL traffic for {name} external destinations",
+                                            matches=("-m addrtype --src-type LOCAL",), target=KUBE_MARK_MASQ))
+        _add(chains, p.external_chain, rule(comment=f"route LOCAL traffic for {name} external destinations",
+                                            matches=("-m addrtype --src-type LOCAL",), target=p.cluster_chain))
+    if p.has_external:
+        _add(chains, p.external_chain, rule(target=p.external_policy_chain))
+
+
+def _firewall_chain(chains: Dict[ChainKey, List[str]], p: _Port, svc: ServicePort, cfg: IptablesConfig) -> None:
+    """KUBE-FW-: loadBalancerSourceRanges (and the node itself when a range holds one of
+    its addresses) go on to the external chain; anything else falls through."""
+    if not p.uses_fw_chain:
+        return
+    chains.setdefault((NAT, p.firewall_chain), [])
+    name = p.name
+    allow_from_node = False
+    for cidr in svc.load_balancer_source_ranges:
+        _add(chains, p.firewall_chain, rule(src=_net(cidr), comment=f"{name} loadbalancer IP", target=p.external_chain))
+        net = ipaddress.ip_network(cidr)
+        if any(ipaddress.ip_address(ip) in net for ip in cfg.node_ips if _same_family(ip, cidr)):
+            allow_from_node = True
+    if allow_from_node:
+        for ip in svc.load_balancer_ips:
+            _add(chains, p.firewall_chain, rule(src=_host(ip), comment=f"{name} loadbalancer IP",
+                                                target=p.external_chain))
+    _add(chains, p.firewall_chain, rule(comment=f"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL"))
+
+
+def _endpoint_chains(out: ServiceRules, p: _Port, svc: ServicePort, cfg: IptablesConfig) -> None:
+    """KUBE-SVC-/KUBE-SVL- jumps to the endpoints, and each endpoint's KUBE-SEP- chain."""
     chains = out.chains
-
-    def add(chain: str, text: str) -> None:
-        chains.setdefault((NAT, chain), []).append(text)
-
-    # Internal traffic: masquerade off-cluster sources so replies come back through us.
-    if has_internal:
-        if cfg.masquerade_all:
-            add(internal_chain, f"-d {_host(svc.cluster_ip)} {cluster_ip_match} -j {KUBE_MARK_MASQ}")
-        elif detector.implemented:
-            add(internal_chain, f"{detector.not_local_before_dst}-d {_host(svc.cluster_ip)}"
-                                f"{detector.not_local_after_dst} {cluster_ip_match} -j {KUBE_MARK_MASQ}")
-
-    if uses_external_chain:
-        chains.setdefault((NAT, external_chain), [])
-        if not svc.uses_external_local:
-            add(external_chain, rule(comment=f"masquerade traffic for {name} external destinations",
-                                     target=KUBE_MARK_MASQ))
-        else:
-            if detector.implemented:
-                # Pod -> external VIP traffic is not subject to the external policy: it acts
-                # as if it went out to a load balancer and came back.
-                add(external_chain, rule(comment=f"pod traffic for {name} external destinations",
-                                         target=cluster_chain, **_local_kw(detector.if_local())))
-            add(external_chain, rule(comment=f"masquerade LOCAL traffic for {name} external destinations",
-                                     matches=("-m addrtype --src-type LOCAL",), target=KUBE_MARK_MASQ))
-            add(external_chain, rule(comment=f"route LOCAL traffic for {name} external destinations",
-                                     matches=("-m addrtype --src-type LOCAL",), target=cluster_chain))
-        if has_external:
-            add(external_chain, rule(target=external_policy_chain))
-
-    if uses_fw_chain:
-        chains.setdefault((NAT, firewall_chain), [])
-        allow_from_node = False
-        for cidr in svc.load_balancer_source_ranges:
-            add(firewall_chain, rule(src=_net(cidr), comment=f"{name} loadbalancer IP", target=external_chain))
-            net = ipaddress.ip_network(cidr)
-            if any(ipaddress.ip_address(ip) in net for ip in cfg.node_ips if _same_family(ip, cidr)):
-                allow_from_node = True
-        if allow_from_node:
-            for ip in svc.load_balancer_ips:
-                add(firewall_chain, rule(src=_host(ip), comment=f"{name} loadbalancer IP", target=external_chain))
-        add(firewall_chain, rule(comment=f"other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL"))
-
+    cat = p.cat
+    proto = p.proto
     # Each endpoint's chain name, hashed once (the policy chains' jumps use it again).
-    seps = {ep.addr: sep_chain(raw, proto, ep.addr) for ep in cat.reachable}
-    if uses_cluster_chain:
-        _endpoint_jumps(chains, cluster_chain, name, svc, cat.cluster, seps, cfg)
-    if uses_local_chain:
-        _endpoint_jumps(chains, local_chain, name, svc, cat.local, seps, cfg)
+    seps = {ep.addr: sep_chain(p.raw, proto, ep.addr) for ep in cat.reachable}
+    if p.uses_cluster_chain:
+        _endpoint_jumps(chains, p.cluster_chain, p.name, svc, cat.cluster, seps, cfg)
+    if p.uses_local_chain:
+        _endpoint_jumps(chains, p.local_chain, p.name, svc, cat.local, seps, cfg)
 
     # Endpoint chains are most of a large ruleset: their two rules are written directly
     # (the same text rule() gives; the golden tests hold both to upstream's output).
-    comment = "" if cfg.large_cluster else f" {_comment(name)}"
+    comment = "" if cfg.large_cluster else f" {_comment(p.name)}"
     for ep in cat.reachable:
         dest = ep.addr
         chain = seps[dest]

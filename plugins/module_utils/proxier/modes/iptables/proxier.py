@@ -21,44 +21,16 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .backends import iptables as ipt
-from .backends.iptables_plan import TABLES, Plan, plan
-from .gcpause import paused_gc
-from .kernel import sysctl
-from .kernel.iptables import CANARY_TABLES, IptablesKernel, LockBusy, Snapshot, cleanup_text
-from .model import ValidationError
-from .state import ProxyState
-
-
-@dataclass
-class SyncResult:
-    full: bool
-    services: int
-    endpoints: int
-    rules: int  # rules we own in the kernel after the sync
-    rules_written: int
-    changes: List[str] = field(default_factory=list)
-    compile_seconds: float = 0.0
-    apply_seconds: float = 0.0
-    total_seconds: float = 0.0
-    no_endpoint_ports: int = 0
-    changed: Set[str] = field(default_factory=set)  # services ("ns/name") this sync covered
-    partial_failed: bool = False
-    # Services the compiler refused (a field that cannot be written into kernel text):
-    # "ns/name" -> message naming the field. They keep their last good rules, if any.
-    rejected: Dict[str, str] = field(default_factory=dict)
-    repair: str = ""  # why this sync repaired the kernel ("" when it did not)
-
-    def summary(self) -> str:
-        kind = "full" if self.full else "partial"
-        kind = f"repair ({self.repair}):" if self.repair else kind
-        return (f"{kind} sync: {self.services} services, {self.endpoints} endpoints, {self.rules} rules "
-                f"({self.rules_written} written, {len(self.changes)} changes) in {self.total_seconds * 1000:.0f} ms "
-                f"(compile {self.compile_seconds * 1000:.0f} ms, apply {self.apply_seconds * 1000:.0f} ms)")
-
+from ...gcpause import paused_gc
+from ...kernel import sysctl
+from ...kernel.iptables import CANARY_TABLES, IptablesKernel, LockBusy, Snapshot, cleanup_text
+from ...model import ValidationError
+from ...provider import ProxierBase, SyncResult
+from ...state import ProxyState
+from . import compile as ipt
+from .plan import TABLES, Plan, plan
 
 ROUTE_LOCALNET = sysctl.ROUTE_LOCALNET
 
@@ -86,21 +58,25 @@ def ensure_route_localnet(cfg: ipt.IptablesConfig, netns: str, log: Callable[[st
     return bool(changed)
 
 
-class IptablesProxier:
+class IptablesProxier(ProxierBase):
+    name = "iptables"
+
     def __init__(self, state: ProxyState, cfg: ipt.IptablesConfig, kernel: IptablesKernel) -> None:
-        self.state = state
-        self.cfg = cfg
+        super().__init__(state, cfg)
         self.kernel = kernel
         self.compiled: Dict[str, ipt.ServiceRules] = {}  # what the kernel has, per service
-        self.need_full = True
-        self.last_attempt_full = True
         self._table_rules: Dict[str, int] = {}  # per-service rules by table, kept incrementally
         self._compiled_cfg: Optional[ipt.IptablesConfig] = None  # the config ``compiled`` was built with
         self.rewrite_period = 3600.0  # large tables: longest time between two full rewrites
         self._last_rewrite = float("-inf")
-        self.rejected: Dict[str, str] = {}  # service key -> why the compiler refused it
-        self.pending_repair = ""  # set by check(): the next sync repairs, whatever it was asked for
         self._periodic_checks = 0
+
+    @classmethod
+    def create(cls, state: ProxyState, cfg: ipt.IptablesConfig, ctx: Any) -> IptablesProxier:
+        """As upstream's NewProxier: route_localnet for localhost NodePorts first
+        (sysctl.SysctlError, a RuntimeError, when it cannot be set)."""
+        ensure_route_localnet(cfg, ctx.netns, ctx.log)
+        return cls(state, cfg, ctx.iptables)
 
     def _config(self) -> ipt.IptablesConfig:
         large = self.state.endpoint_count() > ipt.LARGE_CLUSTER_ENDPOINTS
@@ -115,23 +91,14 @@ class IptablesProxier:
         """One service's rules. A service the compiler refuses is named in ``rejected`` and
         keeps ``last_good`` (what the kernel has for it under this config, or nothing):
         one bad object never fails the sync of the others."""
-        if key not in self.state.services:
-            self.rejected.pop(key, None)
-            return None
-        try:
-            rules = ipt.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), cfg or self.cfg)
-        except ValidationError as e:
-            self.rejected[key] = str(e)
-            return last_good
-        self.rejected.pop(key, None)
-        return rules
+        return self._compile_checked(key, lambda: ipt.compile_service(
+            self.state.ports_of(key), self.state.endpoints_for(key), cfg or self.cfg), last_good)
 
     def sync(self, force_full: bool = False) -> SyncResult:
         start = time.monotonic()
         changed = self.state.take_changes()
         cfg = self._config()
-        full = force_full or self.need_full or bool(self.pending_repair)
-        self.last_attempt_full = full
+        full = self._begin(force_full)
         repair = self.pending_repair
         try:
             snap = None
@@ -161,19 +128,14 @@ class IptablesProxier:
                 self._ensure_canaries()
         except LockBusy:
             # Nothing was applied: what we remember still matches the kernel.
-            self.state._changed |= changed
+            self._requeue(changed, full_needed=False)
             raise
         except Exception:
             # Keep the changes for the retry, and trust nothing we remember.
-            self.state._changed |= changed
-            self.need_full = True
+            self._requeue(changed)
             raise
-        self.need_full = False
-        self.pending_repair = ""
-        result.changed = changed
-        result.rejected = dict(self.rejected)
         result.repair = repair
-        return result
+        return self._done(result, changed)
 
     def check(self) -> bool:
         """The every-second check: True when a canary chain is gone, i.e. something flushed
@@ -283,7 +245,7 @@ class IptablesProxier:
         it was applied, under the same config, compiles to what we hold already."""
         reuse = self.compiled if cfg == self._compiled_cfg else {}
         compiled = {}
-        self.rejected = {k: v for k, v in self.rejected.items() if k in self.state.services}
+        self._forget_gone_rejections()
         state = self.state
         rejected = self.rejected
         with paused_gc():
@@ -422,3 +384,16 @@ def _replace(cfg: ipt.IptablesConfig, **kw: object) -> ipt.IptablesConfig:
     from dataclasses import replace
 
     return replace(cfg, **kw)
+
+
+# --- the mode registry's hooks (modes/__init__.py) ---------------------------------------
+
+
+def iptables_mode_config(cfg: Any, ipt_cfg: ipt.IptablesConfig, netns: str) -> ipt.IptablesConfig:
+    """iptables mode's compiler configuration is the shared iptables options as they are."""
+    return ipt_cfg
+
+
+def cleanup_iptables(ctx: Any) -> int:
+    """Remove iptables mode's chains, jumps and canaries; returns how many chains went."""
+    return IptablesProxier(ProxyState(""), ipt.IptablesConfig(), ctx.iptables).cleanup()

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Set
 
-from .backends import iptables as ipt
-from .backends.iptables_plan import Plan, Rules, plan, render
-from .kernel.iptables import Snapshot, jump_targets
-from .model import Service
-from .state import ProxyState
+from ...kernel.iptables import Snapshot, jump_targets
+from ...model import Service
+from ...state import ProxyState
+from . import compile as ipt
+from .plan import Plan, Rules, plan, render
 
 # Owned node-wide chains the module keeps exact; shared chains are only touched for the
 # service's own rules.

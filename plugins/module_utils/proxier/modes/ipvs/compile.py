@@ -13,7 +13,7 @@ upstream kube-proxy's IPVS proxier (pkg/proxy/ipvs/proxier.go) programs:
   ``utilipset.Entry.String()``);
 - the iptables rules upstream keeps in IPVS mode, in the canonical form
   ``iptables-save`` prints, as ``{(table, chain): [rule, ...]}`` for the existing
-  iptables planner (backends/iptables_plan.py);
+  iptables planner (modes/iptables/plan.py);
 - the sysctls IPVS mode needs.
 
 Everything is computed per Service (``compile_service``) so a partial sync recompiles
@@ -29,10 +29,12 @@ import socket
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ..endpoints import categorize
+from ... import names
+from ...endpoints import categorize
+from ...model import Endpoint, ServicePort
 
-# Upstream's set names live in one table: kernel/ipset_specs.py (data, no I/O).
-from ..kernel.ipset_specs import (
+# Upstream's set names live in one table: names.py (data, no I/O).
+from ...names import (
     KUBE_CLUSTER_IP,
     KUBE_EXTERNAL_IP,
     KUBE_EXTERNAL_IP_LOCAL,
@@ -55,11 +57,10 @@ from ..kernel.ipset_specs import (
     KUBE_NODE_PORT_UDP,
     KubeIPSetSpec,
 )
-from ..model import Endpoint, ServicePort
-from . import checked
-from .iptables import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
+from .. import checked
+from ..iptables.compile import FILTER, NAT, ChainKey, IptablesConfig, LocalDetector, _comment, _local_kw, rule
 
-DUMMY_DEVICE = "kube-ipvs0"
+DUMMY_DEVICE = names.DUMMY_DEVICE  # ipvsc.DUMMY_DEVICE, for the proxier and tests
 DEFAULT_SCHEDULER = "rr"
 
 # Virtual service flags (include/uapi/linux/ip_vs.h; upstream utilipvs.Flag*).
@@ -287,7 +288,7 @@ def _packed(ip: str) -> bytes:
 
 def compile_service(ports: Sequence[ServicePort], endpoints: Mapping, cfg: IpvsConfig) -> ServiceIPVS:
     """``endpoints``: ServicePortName -> [Endpoint] (ProxyState.endpoints_for). Raises
-    model.ValidationError for a field that cannot be written (backends/checked.py)."""
+    model.ValidationError for a field that cannot be written (modes/checked.py)."""
     out = ServiceIPVS()
     for i, sp in enumerate(ports):
         eps = list(endpoints.get(sp.name, []))
@@ -559,99 +560,127 @@ def _set_rule(set_name: str, match: str, target: str, proto: str = "") -> str:
     return f"{head}{_comment(IPSET_BY_NAME[set_name].comment)} {_set_match(set_name, match)} -j {target}"
 
 
+Rules = Dict[ChainKey, List[str]]
+
+
+def _add(out: Rules, table: str, chain: str, text: str) -> None:
+    out.setdefault((table, chain), []).append(text)
+
+
 def iptables_rules(cfg: IpvsConfig, nonempty: FrozenSet[str],
-                   no_node_access: Sequence[NoNodeAccess] = ()) -> Dict[ChainKey, List[str]]:
-    """Upstream's writeIptablesRules + createAndLinkKubeChain, as iptables-save prints them.
+                   no_node_access: Sequence[NoNodeAccess] = ()) -> Rules:
+    """Upstream's writeIptablesRules + createAndLinkKubeChain, as iptables-save prints them,
+    in upstream's order (a chain's rules keep their order across the steps).
 
     ``nonempty``: the ipsets that have entries (rules for empty sets are left out, as
     upstream does). Built-in chains carry only our jump rules."""
-    out: Dict[ChainKey, List[str]] = {key: [] for key in CHAINS}
-    ipt = cfg.iptables
-    mark = cfg.mark
-
-    def add(table: str, chain: str, text: str) -> None:
-        out.setdefault((table, chain), []).append(text)
-
-    loopback = "::1/128" if cfg.ipv6 else "127.0.0.0/8"
-    add(NAT, KUBE_SERVICES, rule(src=loopback, target="RETURN"))
-
+    out: Rules = {key: [] for key in CHAINS}
+    _add(out, NAT, KUBE_SERVICES, rule(src="::1/128" if cfg.ipv6 else "127.0.0.0/8", target="RETURN"))
     for m in KUBE_IPSET_MATCHES:  # upstream's ipsetWithIptablesChain, LOCAL sets first
         if m.set in nonempty:
-            add(m.table, m.chain, _set_rule(m.set, m.match, m.target, m.protocol))
+            _add(out, m.table, m.chain, _set_rule(m.set, m.match, m.target, m.protocol))
+    _cluster_ip_masquerade(out, cfg.iptables, nonempty)
+    _external_ip_rules(out, nonempty)
+    _add(out, NAT, KUBE_SERVICES, rule(matches=("-m addrtype --dst-type LOCAL",), target=KUBE_NODE_PORT))
+    _add(out, NAT, KUBE_LOAD_BALANCER, rule(target=KUBE_MARK_MASQ))
+    _add(out, FILTER, KUBE_SOURCE_RANGES_FIREWALL, rule(target="DROP"))
+    _ipvs_out_filter(out, no_node_access)
+    _accept_ipvs_traffic(out, nonempty)
+    _forward_rules(out, cfg.mark)
+    _ipvs_filter(out)
+    _masquerade_chains(out, cfg.mark, cfg.iptables)
+    for table, builtin, target, comment in JUMPS:
+        _add(out, table, builtin, f"{_comment(comment)} -j {target}")
+    return out
 
-    if KUBE_CLUSTER_IP in nonempty:
-        comment = IPSET_BY_NAME[KUBE_CLUSTER_IP].comment
-        detector = LocalDetector(ipt)
-        if ipt.masquerade_all:
-            add(NAT, KUBE_SERVICES, rule(comment=comment, matches=(_set_match(KUBE_CLUSTER_IP, "dst,dst"),),
-                                         target=KUBE_MARK_MASQ))
-        elif detector.implemented:
-            # Off-cluster traffic to a service VIP may leave the node again: masquerade it.
-            add(NAT, KUBE_SERVICES, rule(comment=comment, matches=(_set_match(KUBE_CLUSTER_IP, "dst,dst"),),
-                                         target=KUBE_MARK_MASQ, **_local_kw(detector.if_not_local())))
-        else:
-            # No way to tell pod traffic: masquerade node-originated VIP -> VIP connections.
-            add(NAT, KUBE_SERVICES, rule(comment=comment, matches=(_set_match(KUBE_CLUSTER_IP, "src,dst"),),
-                                         target=KUBE_MARK_MASQ))
 
-    def external_ip_rules(set_name: str) -> None:
-        head = (_set_match(set_name, "dst,dst"),)
-        comment = IPSET_BY_NAME[set_name].comment
-        # Off-machine traffic (not from a bridge port, not from a local process) is accepted
-        # for the external IPs; so is traffic to an external IP that is a local address.
-        add(NAT, KUBE_SERVICES, rule(comment=comment, matches=head + (
-            "-m physdev ! --physdev-is-in", "-m addrtype ! --src-type LOCAL"), target="ACCEPT"))
-        add(NAT, KUBE_SERVICES, rule(comment=comment, matches=head + ("-m addrtype --dst-type LOCAL",),
-                                     target="ACCEPT"))
+def _cluster_ip_masquerade(out: Rules, ipt: IptablesConfig, nonempty: FrozenSet[str]) -> None:
+    """Masquerade traffic to a cluster IP that may leave the node again."""
+    if KUBE_CLUSTER_IP not in nonempty:
+        return
+    comment = IPSET_BY_NAME[KUBE_CLUSTER_IP].comment
+    detector = LocalDetector(ipt)
+    if ipt.masquerade_all:
+        _add(out, NAT, KUBE_SERVICES, rule(comment=comment, matches=(_set_match(KUBE_CLUSTER_IP, "dst,dst"),),
+                                           target=KUBE_MARK_MASQ))
+    elif detector.implemented:
+        # Off-cluster traffic to a service VIP may leave the node again: masquerade it.
+        _add(out, NAT, KUBE_SERVICES, rule(comment=comment, matches=(_set_match(KUBE_CLUSTER_IP, "dst,dst"),),
+                                           target=KUBE_MARK_MASQ, **_local_kw(detector.if_not_local())))
+    else:
+        # No way to tell pod traffic: masquerade node-originated VIP -> VIP connections.
+        _add(out, NAT, KUBE_SERVICES, rule(comment=comment, matches=(_set_match(KUBE_CLUSTER_IP, "src,dst"),),
+                                           target=KUBE_MARK_MASQ))
 
+
+def _external_ip_accept(out: Rules, set_name: str) -> None:
+    head = (_set_match(set_name, "dst,dst"),)
+    comment = IPSET_BY_NAME[set_name].comment
+    # Off-machine traffic (not from a bridge port, not from a local process) is accepted
+    # for the external IPs; so is traffic to an external IP that is a local address.
+    _add(out, NAT, KUBE_SERVICES, rule(comment=comment, matches=head + (
+        "-m physdev ! --physdev-is-in", "-m addrtype ! --src-type LOCAL"), target="ACCEPT"))
+    _add(out, NAT, KUBE_SERVICES, rule(comment=comment, matches=head + ("-m addrtype --dst-type LOCAL",),
+                                       target="ACCEPT"))
+
+
+def _external_ip_rules(out: Rules, nonempty: FrozenSet[str]) -> None:
+    """externalIPs: masquerade (Cluster policy), then accept off-node or node-local traffic."""
     if KUBE_EXTERNAL_IP in nonempty:
-        add(NAT, KUBE_SERVICES, rule(comment=IPSET_BY_NAME[KUBE_EXTERNAL_IP].comment,
-                                     matches=(_set_match(KUBE_EXTERNAL_IP, "dst,dst"),), target=KUBE_MARK_MASQ))
-        external_ip_rules(KUBE_EXTERNAL_IP)
+        _add(out, NAT, KUBE_SERVICES, rule(comment=IPSET_BY_NAME[KUBE_EXTERNAL_IP].comment,
+                                           matches=(_set_match(KUBE_EXTERNAL_IP, "dst,dst"),), target=KUBE_MARK_MASQ))
+        _external_ip_accept(out, KUBE_EXTERNAL_IP)
     if KUBE_EXTERNAL_IP_LOCAL in nonempty:
-        external_ip_rules(KUBE_EXTERNAL_IP_LOCAL)
+        _external_ip_accept(out, KUBE_EXTERNAL_IP_LOCAL)
 
-    add(NAT, KUBE_SERVICES, rule(matches=("-m addrtype --dst-type LOCAL",), target=KUBE_NODE_PORT))
-    add(NAT, KUBE_LOAD_BALANCER, rule(target=KUBE_MARK_MASQ))
-    add(FILTER, KUBE_SOURCE_RANGES_FIREWALL, rule(target="DROP"))
 
+def _ipvs_out_filter(out: Rules, no_node_access: Sequence[NoNodeAccess]) -> None:
+    """KUBE-IPVS-OUT-FILTER: the node itself may not reach these VIPs (source ranges)."""
     seen: Set[NoNodeAccess] = set()
     for entry in no_node_access:
         if entry in seen:
             continue
         seen.add(entry)
-        add(FILTER, KUBE_IPVS_OUT_FILTER, rule(
+        _add(out, FILTER, KUBE_IPVS_OUT_FILTER, rule(
             src=_host(entry.ip),
             # As iptables-save prints it (libxt_ipvs): numeric --vproto first, no /32 on --vaddr.
             matches=(f"-m ipvs --vproto {IP_PROTOCOL_NUMBERS[entry.protocol]} --vaddr {entry.ip} "
                      f"--vport {entry.port}",),
             target="DROP"))
 
-    # acceptIPVSTraffic: must stay the last rules of KUBE-SERVICES.
+
+def _accept_ipvs_traffic(out: Rules, nonempty: FrozenSet[str]) -> None:
+    """acceptIPVSTraffic: must stay the last rules of KUBE-SERVICES."""
     for set_name in (KUBE_CLUSTER_IP, KUBE_LOAD_BALANCER_SET):
         if set_name in nonempty:
-            add(NAT, KUBE_SERVICES, rule(matches=(_set_match(set_name, "dst,dst"),), target="ACCEPT"))
+            _add(out, NAT, KUBE_SERVICES, rule(matches=(_set_match(set_name, "dst,dst"),), target="ACCEPT"))
 
-    add(FILTER, KUBE_FORWARD, rule(comment="kubernetes forwarding rules", matches=(f"-m mark --mark {mark}/{mark}",),
-                                   target="ACCEPT"))
-    add(FILTER, KUBE_FORWARD, rule(comment="kubernetes forwarding conntrack rule",
-                                   matches=("-m conntrack --ctstate RELATED,ESTABLISHED",), target="ACCEPT"))
-    add(FILTER, KUBE_NODE_PORT, rule(comment=IPSET_BY_NAME[KUBE_HEALTH_CHECK_NODE_PORT].comment,
-                                     matches=(_set_match(KUBE_HEALTH_CHECK_NODE_PORT, "dst"),), target="ACCEPT"))
 
-    # Only service ports may be reached through a VIP (kubernetes#72236).
+def _forward_rules(out: Rules, mark: str) -> None:
+    """KUBE-FORWARD (marked and established traffic) and the health check node ports."""
+    _add(out, FILTER, KUBE_FORWARD, rule(comment="kubernetes forwarding rules",
+                                         matches=(f"-m mark --mark {mark}/{mark}",), target="ACCEPT"))
+    _add(out, FILTER, KUBE_FORWARD, rule(comment="kubernetes forwarding conntrack rule",
+                                         matches=("-m conntrack --ctstate RELATED,ESTABLISHED",), target="ACCEPT"))
+    _add(out, FILTER, KUBE_NODE_PORT, rule(comment=IPSET_BY_NAME[KUBE_HEALTH_CHECK_NODE_PORT].comment,
+                                           matches=(_set_match(KUBE_HEALTH_CHECK_NODE_PORT, "dst"),), target="ACCEPT"))
+
+
+def _ipvs_filter(out: Rules) -> None:
+    """KUBE-IPVS-FILTER: only service ports may be reached through a VIP (kubernetes#72236)."""
     for set_name in (KUBE_LOAD_BALANCER_SET, KUBE_CLUSTER_IP, KUBE_EXTERNAL_IP, KUBE_EXTERNAL_IP_LOCAL):
-        add(FILTER, KUBE_IPVS_FILTER, rule(matches=(_set_match(set_name, "dst,dst"),), target="RETURN"))
-    add(FILTER, KUBE_IPVS_FILTER, rule(matches=(_set_match(KUBE_HEALTH_CHECK_NODE_PORT, "dst"),), target="RETURN"))
-    add(FILTER, KUBE_IPVS_FILTER, rule(matches=("-m conntrack --ctstate NEW", _set_match(KUBE_IPVS_IPS, "dst")),
-                                       target="REJECT --reject-with icmp-port-unreachable"))
+        _add(out, FILTER, KUBE_IPVS_FILTER, rule(matches=(_set_match(set_name, "dst,dst"),), target="RETURN"))
+    _add(out, FILTER, KUBE_IPVS_FILTER, rule(matches=(_set_match(KUBE_HEALTH_CHECK_NODE_PORT, "dst"),),
+                                             target="RETURN"))
+    _add(out, FILTER, KUBE_IPVS_FILTER, rule(matches=("-m conntrack --ctstate NEW", _set_match(KUBE_IPVS_IPS, "dst")),
+                                             target="REJECT --reject-with icmp-port-unreachable"))
 
-    add(NAT, KUBE_POSTROUTING, rule(matches=(f"-m mark ! --mark {mark}/{mark}",), target="RETURN"))
-    add(NAT, KUBE_POSTROUTING, rule(target=f"MARK --set-xmark {mark}/0x0"))
-    add(NAT, KUBE_POSTROUTING, rule(comment="kubernetes service traffic requiring SNAT",
-                                    target="MASQUERADE" + (" --random-fully" if ipt.masquerade_random_fully else "")))
-    add(NAT, KUBE_MARK_MASQ, rule(target=f"MARK --set-xmark {mark}/{mark}"))
 
-    for table, builtin, target, comment in JUMPS:
-        add(table, builtin, f"{_comment(comment)} -j {target}")
-    return out
+def _masquerade_chains(out: Rules, mark: str, ipt: IptablesConfig) -> None:
+    """KUBE-POSTROUTING masquerades marked packets; KUBE-MARK-MASQ marks them."""
+    _add(out, NAT, KUBE_POSTROUTING, rule(matches=(f"-m mark ! --mark {mark}/{mark}",), target="RETURN"))
+    _add(out, NAT, KUBE_POSTROUTING, rule(target=f"MARK --set-xmark {mark}/0x0"))
+    _add(out, NAT, KUBE_POSTROUTING, rule(comment="kubernetes service traffic requiring SNAT",
+                                          target="MASQUERADE" + (" --random-fully" if ipt.masquerade_random_fully
+                                                                 else "")))
+    _add(out, NAT, KUBE_MARK_MASQ, rule(target=f"MARK --set-xmark {mark}/{mark}"))

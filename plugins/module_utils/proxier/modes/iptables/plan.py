@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set
 
-from .iptables import (
+from ...names import TABLES
+from .compile import (
     BUILTIN_CHAINS,
     KUBE_SERVICES,
     NAT,
@@ -32,7 +33,6 @@ from .iptables import (
     ChainKey,
 )
 
-TABLES = ("filter", "nat")
 Rules = Dict[ChainKey, List[str]]
 
 
