@@ -78,7 +78,6 @@ STALE_BOUND = 2.0
 # A handshake slower than this lost its first SYN (Linux resends it after 1 s): counted as failed.
 CONNECT_BOUND = 1.0
 FLUSH_BOUND = SYNC_PERIOD + 1.5
-RESTART_FACTOR = 2.0  # see the restart test: the issue's bound is 1.0, not met yet
 LOCK_HOLD = 10.0
 LOCK_BOUND = 5.0
 CHURN_SECONDS = 15.0
@@ -655,12 +654,16 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     listed = sum(line.startswith("-A ") for line in rules)
     node.write_web(sorted(new))  # a change while the daemon is down
     time.sleep(2.0)
+    log_len = len(node.logs())
     began = node.start()
     try:
         reconciled = node.wait_answers_within(new, max(120.0, 3 * cold)) - began
     finally:
         time.sleep(0.5)
         conns = client.result(stop=True)
+    log = node.logs()
+    stop_log = [line for line in log[:log_len].splitlines() if "record" in line][-1:]
+    first = re.search(r"full sync: .*", log[log_len:])
     down = [c for c in conns if stopped_at <= c.t < began]
     failed = [c for c in conns if c.failed]
     early = [c for c in conns if c.t < began and c.ok and c.ip in new]
@@ -668,7 +671,8 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
         f"SIGTERM: exit {rc}, stop took {down_at - stopped_at:.2f} s, {listed} KUBE-SERVICES rules left, "
         f"{len(down)} connections while down ({sum(c.failed for c in down)} failed); restart reconciled the "
         f"change made while down in {reconciled:.1f} s (cold sync {cold:.1f} s); failed overall {len(failed)}, "
-        f"unanswered {sum(c.unanswered for c in conns)}")
+        f"unanswered {sum(c.unanswered for c in conns)}; at stop: {stop_log[0] if stop_log else '-'}; "
+        f"first sync: {first.group(0) if first else '-'}")
     assert rc == 0
     assert listed >= N_SERVICES, f"only {listed} KUBE-SERVICES rules left after SIGTERM"
     assert down and not [c for c in down if c.failed], "connections failed while the daemon was down"
@@ -676,9 +680,10 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     assert not early
     assert not failed, (f"{len(failed)} connections failed; SYN times relative to the restart: "
                         f"{bursts(failed, began)}; e.g. {failed[:2]}")
-    # Issue 11 asks for reconciled <= cold; not met yet: the restart's full sync rewrites the
-    # 110k rules that are still there (8.9 s) where the cold one writes into an empty table
-    # (5.6 s), because a table this large is not read rule by rule. Guarded against
-    # regression here (measured 1.4x), stated in the note and left open in the issue.
-    assert reconciled <= RESTART_FACTOR * cold, (
-        f"restart reconciled in {reconciled:.1f} s, more than {RESTART_FACTOR:g} x the cold sync ({cold:.1f} s)")
+    # Issue 11's bound. Both times count from the process start, so the fixed costs (Python,
+    # parsing the 6 MB manifests file, compiling 10k services) are in both. The restart meets
+    # it by adopting what the clean shutdown recorded (iptables-nft cannot read a table this
+    # large rule by rule in time) and writing only the chains the change touched.
+    assert reconciled <= cold, (
+        f"restart reconciled in {reconciled:.1f} s, more than the cold sync ({cold:.1f} s) of this run; "
+        f"first sync after the restart: {first.group(0) if first else 'not logged'}")
