@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -664,6 +665,13 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     log = node.logs()
     stop_log = [line for line in log[:log_len].splitlines() if "record" in line][-1:]
     first = re.search(r"full sync: .*", log[log_len:])
+    # When the restarted daemon logged what (whole seconds): where its time went.
+    steps = []
+    for line in log[log_len:].splitlines():
+        stamp = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\S* (.{0,40})", line)
+        if stamp and len(steps) < 8:
+            at = datetime.fromisoformat(stamp.group(1)).timestamp() - began
+            steps.append(f"+{at:.0f}s {stamp.group(2)}")
     down = [c for c in conns if stopped_at <= c.t < began]
     failed = [c for c in conns if c.failed]
     early = [c for c in conns if c.t < began and c.ok and c.ip in new]
@@ -672,7 +680,7 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
         f"{len(down)} connections while down ({sum(c.failed for c in down)} failed); restart reconciled the "
         f"change made while down in {reconciled:.1f} s (cold sync {cold:.1f} s); failed overall {len(failed)}, "
         f"unanswered {sum(c.unanswered for c in conns)}; at stop: {stop_log[0] if stop_log else '-'}; "
-        f"first sync: {first.group(0) if first else '-'}")
+        f"first sync: {first.group(0) if first else '-'}; restarted daemon's log: {' | '.join(steps)}")
     assert rc == 0
     assert listed >= N_SERVICES, f"only {listed} KUBE-SERVICES rules left after SIGTERM"
     assert down and not [c for c in down if c.failed], "connections failed while the daemon was down"

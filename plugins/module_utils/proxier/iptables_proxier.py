@@ -338,11 +338,17 @@ class IptablesProxier:
         current = snap.rules
         record, self.record = self.record, None  # used once, whatever the outcome
         restart = ""
+        existing = snap.chains
+        planned = desired
         if record is not None and not snap.complete and not trust_listed:
             with paused_gc():
-                adopted, restart = self._recorded_current(record, snap, desired)
+                adopted, trusted, restart = self._recorded_current(record, snap, desired)
             if adopted is not None:
+                # Plan only the chains not vouched for: 40,000 chains planned to find a few
+                # that differ cost more than the write.
                 current = adopted
+                planned = {k: v for k, v in desired.items() if k not in trusted}
+                existing = snap.chains - trusted
         elif record is not None:
             restart = "recorded state not needed: the tables were read rule by rule"
         if trust_listed:
@@ -354,7 +360,7 @@ class IptablesProxier:
                     if key in snap.chains:
                         current[key] = lines
         with paused_gc():
-            p = plan(current, desired, merge=False, existing=snap.chains)
+            p = plan(current, planned, merge=False, existing=existing)
         if not p.empty:
             # Flush nat's canary in the same transaction: a token a clean shutdown left there
             # no longer describes the kernel once we write (see save_record()).
@@ -376,50 +382,54 @@ class IptablesProxier:
         result.restart = restart
         return result
 
-    def _recorded_current(self, record: Dict, snap: Snapshot, desired: Dict) -> Tuple[Optional[Dict], str]:
-        """The kernel's content as the record states it, for a table too large to read rule
-        by rule, once cheap checks vouch for the record: (rules by chain, "adopted ...").
-        A chain whose desired content differs from its recorded digest gets a placeholder
-        that differs from anything, so the plan rewrites it. (None, why) when a check fails."""
+    def _recorded_current(self, record: Dict, snap: Snapshot,
+                          desired: Dict) -> Tuple[Optional[Dict], Set[ipt.ChainKey], str]:
+        """For a table too large to read rule by rule, once cheap checks vouch for the record:
+        (the built-in chains as read, plus a placeholder that differs from any rule for each
+        recorded chain whose desired content differs from its digest, so the plan rewrites
+        it; the chains that hold what is desired; "adopted ..."). (None, set(), why) when a
+        check fails."""
         token = record.get("token")
         first = self.kernel.first_rule(ipt.NAT, CANARY_CHAIN)
         if not token or not first or f"{APPLIED_MARK}{token}" not in first:
-            return None, "recorded state not used: its token is not in nat KUBE-PROXY-CANARY"
+            return None, set(), "recorded state not used: its token is not in nat KUBE-PROXY-CANARY"
         if self.kernel.missing_canaries() != []:
-            return None, "recorded state not used: a canary chain is missing"
+            return None, set(), "recorded state not used: a canary chain is missing"
         recorded = {}
         for name, digest in record.get("chains", {}).items():
             table, chain = name.split(" ", 1)
             recorded[(table, chain)] = digest
         ours = {k for k in snap.chains if k[1].startswith(ipt.SERVICE_CHAIN_PREFIXES)
                 or (k in recorded or k in desired) and k[1] not in ipt.BUILTIN_CHAINS}
-        if ours != set(recorded):
-            return None, (f"recorded state not used: the chain listing differs from the record "
-                          f"({len(ours - set(recorded))} chains not recorded, {len(set(recorded) - ours)} gone)")
+        if ours != recorded.keys():
+            return None, set(), (f"recorded state not used: the chain listing differs from the record ("
+                                 f"{len(ours - recorded.keys())} chains not recorded, "
+                                 f"{len(recorded.keys() - ours)} gone)")
         current: Dict = {k: v for k, v in snap.rules.items() if k[1] in ipt.BUILTIN_CHAINS}
-        trusted = []
+        trusted = set()
         for key, digest in recorded.items():
             lines = desired.get(key)
             if lines is not None and chain_digest(key[1], lines) == digest:
-                current[key] = lines
-                trusted.append(key)
+                trusted.add(key)
             else:
                 current[key] = [_UNTRUSTED]
         # The shared chains (a flush of KUBE-SERVICES alone keeps the token) and a few
         # service chains (one of each kind) start with what the record says.
-        picked: Dict[str, ipt.ChainKey] = {}
-        for key in sorted(trusted):
-            kind = next((p for p in ipt.SERVICE_CHAIN_PREFIXES if key[1].startswith(p)), "")
+        picked: Dict[str, ipt.ChainKey] = {}  # the first chain in name order of each kind
+        for key in trusted:
             if key[1] in ipt.SHARED_CHAINS:
                 picked[f"{key[0]} {key[1]}"] = key
-            elif kind and kind not in picked and current[key]:
+                continue
+            kind = next((p for p in ipt.SERVICE_CHAIN_PREFIXES if key[1].startswith(p)), "")
+            if kind and desired[key] and (kind not in picked or key < picked[kind]):
                 picked[kind] = key
         for key in picked.values():
             got = self.kernel.first_rule(*key)
-            want = current[key]
+            want = desired[key]
             if got is None or (got not in want if want else got != ""):
-                return None, f"recorded state not used: {key[0]} {key[1]} does not start as recorded"
-        return current, f"adopted the rules recorded at shutdown ({len(trusted)} of {len(recorded)} chains unchanged)"
+                return None, set(), f"recorded state not used: {key[0]} {key[1]} does not start as recorded"
+        return current, trusted, (f"adopted the rules recorded at shutdown ({len(trusted)} of {len(recorded)} "
+                                  "chains unchanged)")
 
     def record_state(self) -> Optional[Dict]:
         """What the kernel holds, as recorded at a clean shutdown: one digest per chain we
