@@ -662,6 +662,9 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     finally:
         time.sleep(0.5)
         conns = client.result(stop=True)
+    deadline = time.monotonic() + 15
+    while "full sync: " not in node.logs()[log_len:] and time.monotonic() < deadline:
+        time.sleep(0.2)  # the sync's log line follows its restore and the canary check
     log = node.logs()
     stop_log = [line for line in log[:log_len].splitlines() if "record" in line][-1:]
     first = re.search(r"full sync: .*", log[log_len:])
