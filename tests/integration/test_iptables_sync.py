@@ -182,3 +182,51 @@ def test_large_table_path_rewrites_without_reading_rules_and_keeps_foreign_rules
     assert len([line for line in nat.splitlines() if line.startswith(":KUBE-SVC-")]) == 1
     assert set(answered(lab, "10.96.0.1")) == {"be1", "be2"}
     assert foreign_lines(save(lab.ns("node"), "nat") + save(lab.ns("node"), "filter")) == before
+
+
+def test_restart_of_a_large_table_adopts_the_record_and_writes_only_the_change(proxy, tmp_path):
+    """A clean shutdown records what it left; the next process (thresholds lowered so a few
+    services take the large-table path) checks the kernel cheaply, writes only the change
+    made while it was down, and the result is exactly what a rule-by-rule diff wants."""
+    lab, state, proxier = proxy
+    proxier.kernel.bulk_chains = 1
+    proxier.kernel.diff_max_chains = 0
+    put(state, svc("a", "10.96.0.1", HTTP), eps("a", PODS.values(), HTTP_EP),
+        svc("b", "10.96.0.2", HTTP), eps("b", [PODS["be2"]], HTTP_EP))
+    assert proxier.sync().full
+    path = str(tmp_path / "applied.json")
+    assert proxier.save_record(path).startswith("recorded the ")
+    assert "kubenode-proxy-applied:" in save(lab.ns("node"), "nat")  # the token, in nat's canary chain
+
+    def restarted(*changes):
+        """A new process's state and proxier, with ``changes`` made while the daemon was down."""
+        new_state = ProxyState(NODE_NAME)
+        put(new_state, svc("a", "10.96.0.1", HTTP), eps("a", PODS.values(), HTTP_EP),
+            svc("b", "10.96.0.2", HTTP), eps("b", [PODS["be2"]], HTTP_EP), *changes)
+        kernel = IptablesKernel(netns=lab.ns("node"), bulk_chains=1, diff_max_chains=0)
+        new = IptablesProxier(new_state, proxier.cfg, kernel)
+        assert new.load_record(path).startswith("found the record")
+        return new_state, new
+
+    new_state, new = restarted(eps("b", [PODS["be1"]], HTTP_EP))
+    first = new.sync()
+    assert first.restart.startswith("adopted"), first.restart
+    assert first.rules_written <= 4, first.changes  # b's service chain and its one endpoint chain
+    assert set(answered(lab, "10.96.0.2")) == {"be1"}
+    assert set(answered(lab, "10.96.0.1")) == {"be1", "be2"}
+    assert "kubenode-proxy-applied:" not in save(lab.ns("node"), "nat")
+    # A process that reads every rule (small-table path) finds nothing left to write.
+    check = IptablesProxier(new_state, proxier.cfg, IptablesKernel(netns=lab.ns("node")))
+    assert check.sync().rules_written == 0
+
+    # Recorded again; then a service chain is flushed while down (the first endpoint chain
+    # in name order: one the restart samples): the token survives, the sampled first rule
+    # does not match, and the restart rewrites everything.
+    assert new.save_record(path).startswith("recorded the ")
+    sep = min(line.split()[1] for line in save(lab.ns("node"), "nat").splitlines() if line.startswith("-A KUBE-SEP-"))
+    lab.exec("node", ["iptables", "-t", "nat", "-F", sep])
+    _state, again = restarted(eps("b", [PODS["be1"]], HTTP_EP))
+    second = again.sync()
+    assert "not used" in second.restart and second.rules_written >= second.rules, second.restart
+    assert f"-A {sep} " in save(lab.ns("node"), "nat")
+    assert set(answered(lab, "10.96.0.1")) == {"be1", "be2"}

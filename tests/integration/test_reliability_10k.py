@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -78,7 +79,6 @@ STALE_BOUND = 2.0
 # A handshake slower than this lost its first SYN (Linux resends it after 1 s): counted as failed.
 CONNECT_BOUND = 1.0
 FLUSH_BOUND = SYNC_PERIOD + 1.5
-RESTART_FACTOR = 2.0  # see the restart test: the issue's bound is 1.0, not met yet
 LOCK_HOLD = 10.0
 LOCK_BOUND = 5.0
 CHURN_SECONDS = 15.0
@@ -656,7 +656,7 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     old, new = window(20), window(40)
     node.write_web(sorted(old))
     node.wait_answers_within(old, 60)
-    client = node.paced(50, 120.0, timeout=1.5, client="downc")
+    client = node.paced(50, max(120.0, 3 * cold + 30), timeout=1.5, client="downc")
     time.sleep(1.0)
     stopped_at = time.time()
     rc = node.stop()
@@ -665,12 +665,33 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     listed = sum(line.startswith("-A ") for line in rules)
     node.write_web(sorted(new))  # a change while the daemon is down
     time.sleep(2.0)
+    log_len = len(node.logs())
     began = node.start()
+    # The paced client (50 connections/s) tells when traffic moved to the new endpoints, so
+    # the test does not poll meanwhile: node.answering() starts a Python process per probe,
+    # several a second while the old rules answer (against ~1.5/s during the cold start,
+    # whose probes time out), and on 2 shared cores that slowed the daemon it measured.
     try:
-        reconciled = node.wait_answers_within(new, max(120.0, 3 * cold)) - began
+        deadline = time.monotonic() + max(120.0, 3 * cold)
+        while "full sync: " not in node.logs()[log_len:] and time.monotonic() < deadline:
+            if node.proc is not None and node.proc.poll() is not None:
+                raise AssertionError(f"the daemon exited ({node.proc.returncode}):\n{node.logs()[-3000:]}")
+            time.sleep(0.2)
+        time.sleep(1.0)
     finally:
-        time.sleep(0.5)
         conns = client.result(stop=True)
+    settled = settled_at([c for c in conns if c.ok], lambda c: c.ip in new, began)
+    reconciled = float("nan") if settled is None else settled - began
+    log = node.logs()
+    stop_log = [line for line in log[:log_len].splitlines() if "record" in line][-1:]
+    first = re.search(r"full sync: .*", log[log_len:])
+    # When the restarted daemon logged what (whole seconds): where its time went.
+    steps = []
+    for line in log[log_len:].splitlines():
+        stamp = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\S* (.{0,40})", line)
+        if stamp and len(steps) < 8:
+            at = datetime.fromisoformat(stamp.group(1)).timestamp() - began
+            steps.append(f"+{at:.0f}s {stamp.group(2)}")
     down = [c for c in conns if stopped_at <= c.t < began]
     failed = [c for c in conns if c.failed]
     early = [c for c in conns if c.t < began and c.ok and c.ip in new]
@@ -678,17 +699,20 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
         f"SIGTERM: exit {rc}, stop took {down_at - stopped_at:.2f} s, {listed} KUBE-SERVICES rules left, "
         f"{len(down)} connections while down ({sum(c.failed for c in down)} failed); restart reconciled the "
         f"change made while down in {reconciled:.1f} s (cold sync {cold:.1f} s); failed overall {len(failed)}, "
-        f"unanswered {sum(c.unanswered for c in conns)}")
+        f"unanswered {sum(c.unanswered for c in conns)}; at stop: {stop_log[0] if stop_log else '-'}; "
+        f"first sync: {first.group(0) if first else '-'}; restarted daemon's log: {' | '.join(steps)}")
     assert rc == 0
+    assert settled is not None, f"traffic never moved to the new endpoints; daemon log:\n{log[log_len:][-3000:]}"
     assert listed >= N_SERVICES, f"only {listed} KUBE-SERVICES rules left after SIGTERM"
     assert down and not [c for c in down if c.failed], "connections failed while the daemon was down"
     assert all(c.ip in old for c in down if c.ok), "the rules changed while the daemon was down"
     assert not early
     assert not failed, (f"{len(failed)} connections failed; SYN times relative to the restart: "
                         f"{bursts(failed, began)}; e.g. {failed[:2]}")
-    # Issue 11 asks for reconciled <= cold; not met yet: the restart's full sync rewrites the
-    # 110k rules that are still there (8.9 s) where the cold one writes into an empty table
-    # (5.6 s), because a table this large is not read rule by rule. Guarded against
-    # regression here (measured 1.4x), stated in the note and left open in the issue.
-    assert reconciled <= RESTART_FACTOR * cold, (
-        f"restart reconciled in {reconciled:.1f} s, more than {RESTART_FACTOR:g} x the cold sync ({cold:.1f} s)")
+    # Issue 11's bound. Both times count from the process start, so the fixed costs (Python,
+    # parsing the 6 MB manifests file, compiling 10k services) are in both. The restart meets
+    # it by adopting what the clean shutdown recorded (iptables-nft cannot read a table this
+    # large rule by rule in time) and writing only the chains the change touched.
+    assert reconciled <= cold, (
+        f"restart reconciled in {reconciled:.1f} s, more than the cold sync ({cold:.1f} s) of this run; "
+        f"first sync after the restart: {first.group(0) if first else 'not logged'}")

@@ -68,6 +68,9 @@ def test_iptables_mode_with_manifests(tmp_path):
             "--manifests /etc/kubenode-proxy/manifests") in unit
     assert "CapabilityBoundingSet=CAP_NET_ADMIN CAP_NET_RAW\n" in unit
     assert "ProtectKernelTunables=yes" in unit and "ProtectSystem=strict" in unit
+    # /run is read-only under ProtectSystem=strict: the restart record's directory is the
+    # unit's runtime directory, kept across restarts.
+    assert "RuntimeDirectory=kubenode-proxy\nRuntimeDirectoryMode=0700\nRuntimeDirectoryPreserve=yes\n" in unit
     assert "net.ipv4.conf.all.route_localnet = 1" in files["sysctl.conf"]
     assert files["modules-load.conf"].split("\n")[2:4] == ["nf_conntrack", "br_netfilter"]
     assert "exec /opt/kubenode-proxy/venv/bin/python /opt/kubenode-proxy/collections/ansible_collections/" \

@@ -211,6 +211,13 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     except RuntimeError as e:
         log(f"error: cannot start the {cfg.mode} proxier: {e}")
         return 1
+    # What a clean shutdown recorded of the rules it left (iptables mode): the first sync
+    # can then write only what changed since, instead of rewriting every chain.
+    record = proxier.record_path() if hasattr(proxier, "record_path") else ""
+    if record:
+        found = proxier.load_record(record)
+        if found:
+            log(found)
     hooks = NodeHooks(cfg, state, proxier, args.netns, log)
     daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks, family=served_family(cfg))
     hooks.pending = daemon.has_pending
@@ -243,7 +250,13 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
         stop.wait()
     finally:
         source.stop()
-        daemon.stop()
+        stopped = daemon.stop()
         hooks.stop()
+        if record:
+            try:
+                log(proxier.save_record(record) if stopped
+                    else "no record of the rules written: a sync was still running")
+            except Exception as e:  # the rules stay; the next start rewrites them
+                log(f"could not record the rules written: {e}")
         log("stopped; rules left in place (kubenode-proxy --cleanup removes them)")
     return 0

@@ -109,10 +109,13 @@ class Daemon:
         self._thread = threading.Thread(target=self.runner.loop, name="sync", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the sync thread; False when it is still running (a sync outlasted ``timeout``)."""
         self.runner.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def drain(self) -> Tuple[List[float], bool]:
         """Apply what was queued to the state without syncing (``--once`` loads this way)."""

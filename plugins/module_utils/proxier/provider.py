@@ -38,13 +38,15 @@ class SyncResult:
     # "ns/name" -> message naming the field. They keep their last good rules, if any.
     rejected: Dict[str, str] = field(default_factory=dict)
     repair: str = ""  # why this sync repaired the kernel ("" when it did not)
+    restart: str = ""  # first sync after a start with a record: adopted, or why not
 
     def summary(self) -> str:
         kind = "full" if self.full else "partial"
         kind = f"repair ({self.repair}):" if self.repair else kind
         return (f"{kind} sync: {self.services} services, {self.endpoints} endpoints, {self.rules} rules "
                 f"({self.rules_written} written, {len(self.changes)} changes) in {self.total_seconds * 1000:.0f} ms "
-                f"(compile {self.compile_seconds * 1000:.0f} ms, apply {self.apply_seconds * 1000:.0f} ms)")
+                f"(compile {self.compile_seconds * 1000:.0f} ms, apply {self.apply_seconds * 1000:.0f} ms)"
+                + (f"; restart: {self.restart}" if self.restart else ""))
 
 
 class Proxier(Protocol):

@@ -28,6 +28,7 @@ costs (iptables-nft fetches the whole chain: 0.14 s for nat KUBE-SERVICES at 10,
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -45,6 +46,9 @@ BUILTIN_BY_TABLE = {"filter": ("INPUT", "FORWARD", "OUTPUT"),
 
 CANARY_CHAIN = "KUBE-PROXY-CANARY"
 CANARY_TABLES = ("mangle", "nat", "filter")
+# The comment of the one rule a clean shutdown leaves in nat KUBE-PROXY-CANARY: it ties the
+# record of what was applied (a file under /run) to this kernel state; any full sync clears it.
+APPLIED_MARK = "kubenode-proxy-applied:"
 RESOURCE_PROBLEM = 4  # iptables' exit status when it could not even try, e.g. the xtables lock is held
 
 
@@ -172,6 +176,21 @@ class IptablesKernel:
     def create_canaries(self, tables: Sequence[str]) -> None:
         if tables:
             self.restore("".join(f"*{t}\n:{CANARY_CHAIN} - [0:0]\nCOMMIT\n" for t in tables))
+
+    def mark_applied(self, token: str) -> None:
+        """Leave ``token`` in nat's canary chain (a rule no packet reaches: nothing jumps to
+        the canary), in one transaction that recreates the chain if it is gone."""
+        self.restore(f"*nat\n:{CANARY_CHAIN} - [0:0]\n"
+                     f"-A {CANARY_CHAIN} -m comment --comment {APPLIED_MARK}{token}\nCOMMIT\n")
+
+    def netns_id(self) -> str:
+        """The network namespace the rules live in, as its nsfs inode ("" when unknown): the
+        record of what was applied is kept per namespace (labs share one /run)."""
+        path = f"/run/netns/{self.prefix[3]}" if self.prefix else "/proc/self/ns/net"
+        try:
+            return str(os.stat(path).st_ino)
+        except OSError:
+            return ""
 
     def first_rule(self, table: str, chain: str) -> Optional[str]:
         """The first rule of ``chain`` without ``-A CHAIN`` ("" for an empty chain), or None

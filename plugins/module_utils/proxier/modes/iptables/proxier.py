@@ -15,17 +15,38 @@ table also checks the top-level dispatch (built-in jumps, first rule of each sha
 chain). A repair rewrites the node-wide chains and the service chains that are missing,
 and trusts the service chains the chain listing shows (a rule edited inside one waits
 for the hourly full rewrite).
+
+Restart (see docs/iptables-mode.md): a clean shutdown records what the kernel holds (one
+digest per chain, in a root-only file under /run) and leaves a matching token in nat's
+canary chain. The first sync after a start, when the table is too large to read rule by
+rule, adopts that record once the kernel passes the same cheap checks as a periodic sync
+(token, canaries, the chain listing equal to the recorded one, the shared chains' first
+rules, a few service chains' first rules), and writes only the chains whose desired
+content differs from the record. Anything else (no record, a check failing) is a full
+rewrite, as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
+import os
+import secrets
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ...gcpause import paused_gc
 from ...kernel import sysctl
-from ...kernel.iptables import CANARY_TABLES, IptablesKernel, LockBusy, Snapshot, cleanup_text
+from ...kernel.iptables import (
+    APPLIED_MARK,
+    CANARY_CHAIN,
+    CANARY_TABLES,
+    IptablesKernel,
+    LockBusy,
+    Snapshot,
+    cleanup_text,
+)
 from ...model import ValidationError
 from ...provider import ProxierBase, SyncResult
 from ...state import ProxyState
@@ -70,6 +91,7 @@ class IptablesProxier(ProxierBase):
         self.rewrite_period = 3600.0  # large tables: longest time between two full rewrites
         self._last_rewrite = float("-inf")
         self._periodic_checks = 0
+        self.record: Optional[Dict] = None  # what a clean shutdown recorded (load_record()): first sync only
 
     @classmethod
     def create(cls, state: ProxyState, cfg: ipt.IptablesConfig, ctx: Any) -> IptablesProxier:
@@ -273,6 +295,21 @@ class IptablesProxier(ProxierBase):
         if snap is None:
             snap = self.kernel.snapshot_for_full_sync()
         current = snap.rules
+        record, self.record = self.record, None  # used once, whatever the outcome
+        restart = ""
+        existing = snap.chains
+        planned = desired
+        if record is not None and not snap.complete and not trust_listed:
+            with paused_gc():
+                adopted, trusted, restart = self._recorded_current(record, snap, desired)
+            if adopted is not None:
+                # Plan only the chains not vouched for: 40,000 chains planned to find a few
+                # that differ cost more than the write.
+                current = adopted
+                planned = {k: v for k, v in desired.items() if k not in trusted}
+                existing = snap.chains - trusted
+        elif record is not None:
+            restart = "recorded state not needed: the tables were read rule by rule"
         if trust_listed:
             # A service chain the listing shows is taken to hold what we applied to it; the
             # node-wide and shared chains are not read, so the plan rewrites them.
@@ -282,16 +319,138 @@ class IptablesProxier(ProxierBase):
                     if key in snap.chains:
                         current[key] = lines
         with paused_gc():
-            p = plan(current, desired, merge=False, existing=snap.chains)
+            p = plan(current, planned, merge=False, existing=existing)
+        if not p.empty:
+            # Flush nat's canary in the same transaction: a token a clean shutdown left there
+            # no longer describes the kernel once we write (see save_record()).
+            p.lines[ipt.NAT].insert(0, f":{CANARY_CHAIN} - [0:0]")
         apply_s = self.kernel.restore(p.text()) if not p.empty else 0.0
-        if not trust_listed:
+        if restart.startswith("adopted"):
+            # The hourly rewrite stays on the schedule of the process that recorded.
+            age = time.time() - float(record.get("last_rewrite") or 0.0)  # type: ignore[union-attr]
+            if 0.0 <= age < self.rewrite_period:
+                self._last_rewrite = time.monotonic() - age
+        elif not trust_listed:
             self._last_rewrite = time.monotonic()
         self.compiled = compiled
         self._compiled_cfg = cfg
         self._table_rules = {}
         for rules in compiled.values():
             _count(self._table_rules, rules, 1)
-        return self._result(True, p, compile_s, apply_s, start)
+        result = self._result(True, p, compile_s, apply_s, start)
+        result.restart = restart
+        return result
+
+    def _recorded_current(self, record: Dict, snap: Snapshot,
+                          desired: Dict) -> Tuple[Optional[Dict], Set[ipt.ChainKey], str]:
+        """For a table too large to read rule by rule, once cheap checks vouch for the record:
+        (the built-in chains as read, plus a placeholder that differs from any rule for each
+        recorded chain whose desired content differs from its digest, so the plan rewrites
+        it; the chains that hold what is desired; "adopted ..."). (None, set(), why) when a
+        check fails."""
+        token = record.get("token")
+        first = self.kernel.first_rule(ipt.NAT, CANARY_CHAIN)
+        if not token or not first or f"{APPLIED_MARK}{token}" not in first:
+            return None, set(), "recorded state not used: its token is not in nat KUBE-PROXY-CANARY"
+        if self.kernel.missing_canaries() != []:
+            return None, set(), "recorded state not used: a canary chain is missing"
+        recorded = {}
+        for name, digest in record.get("chains", {}).items():
+            table, chain = name.split(" ", 1)
+            recorded[(table, chain)] = digest
+        ours = {k for k in snap.chains if k[1].startswith(ipt.SERVICE_CHAIN_PREFIXES)
+                or (k in recorded or k in desired) and k[1] not in ipt.BUILTIN_CHAINS}
+        if ours != recorded.keys():
+            return None, set(), (f"recorded state not used: the chain listing differs from the record ("
+                                 f"{len(ours - recorded.keys())} chains not recorded, "
+                                 f"{len(recorded.keys() - ours)} gone)")
+        current: Dict = {k: v for k, v in snap.rules.items() if k[1] in ipt.BUILTIN_CHAINS}
+        trusted = set()
+        for key, digest in recorded.items():
+            lines = desired.get(key)
+            if lines is not None and chain_digest(key[1], lines) == digest:
+                trusted.add(key)
+            else:
+                current[key] = [_UNTRUSTED]
+        # The shared chains (a flush of KUBE-SERVICES alone keeps the token) and a few
+        # service chains (one of each kind) start with what the record says.
+        picked: Dict[str, ipt.ChainKey] = {}  # the first chain in name order of each kind
+        for key in trusted:
+            if key[1] in ipt.SHARED_CHAINS:
+                picked[f"{key[0]} {key[1]}"] = key
+                continue
+            kind = next((p for p in ipt.SERVICE_CHAIN_PREFIXES if key[1].startswith(p)), "")
+            if kind and desired[key] and (kind not in picked or key < picked[kind]):
+                picked[kind] = key
+        for key in picked.values():
+            got = self.kernel.first_rule(*key)
+            want = desired[key]
+            if got is None or (got not in want if want else got != ""):
+                return None, set(), f"recorded state not used: {key[0]} {key[1]} does not start as recorded"
+        return current, trusted, (f"adopted the rules recorded at shutdown ({len(trusted)} of {len(recorded)} "
+                                  "chains unchanged)")
+
+    def record_state(self) -> Optional[Dict]:
+        """What the kernel holds, as recorded at a clean shutdown: one digest per chain we
+        own (None when we do not know it exactly: a full sync is due or a repair pending)."""
+        if self.need_full or self.pending_repair or self._compiled_cfg is None or self.cfg != self._compiled_cfg:
+            return None
+        desired = assemble(self.compiled, self._compiled_cfg)
+        chains = {f"{t} {c}": chain_digest(c, lines) for (t, c), lines in desired.items()
+                  if c not in ipt.BUILTIN_CHAINS}
+        last = self._last_rewrite
+        return {"version": RECORD_VERSION, "chains": chains,
+                "last_rewrite": time.time() - (time.monotonic() - last) if last != float("-inf") else 0.0}
+
+    def record_path(self) -> str:
+        """Where a clean shutdown records the rules it leaves (see save_record())."""
+        return record_path(self.kernel)
+
+    def save_record(self, path: str) -> str:
+        """At a clean shutdown (the sync thread stopped): write the record, then the token
+        that ties it to the kernel. Returns what was done, for the log."""
+        _remove(path)
+        record = self.record_state()
+        if record is None:
+            return "no record of the rules written (a full sync was due): the next start rewrites them"
+        record["token"] = secrets.token_hex(8)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, separators=(",", ":"))
+        os.replace(tmp, path)
+        try:
+            self.kernel.mark_applied(record["token"])
+        except Exception:
+            _remove(path)
+            raise
+        return f"recorded the {len(record['chains'])} chains written in {path}"
+
+    def load_record(self, path: str) -> str:
+        """Take the record a clean shutdown left (and remove it: it describes the kernel
+        only until this process writes). Returns what was found, for the log."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ""
+        try:
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                return f"ignored {path}: not a file only this user can read and write"
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"ignored {path}: {e}"
+        finally:
+            _remove(path)
+        if (not isinstance(record, dict) or record.get("version") != RECORD_VERSION
+                or not isinstance(record.get("chains"), dict) or not isinstance(record.get("token"), str)
+                or not all(isinstance(k, str) and " " in k and isinstance(v, str)
+                           for k, v in record["chains"].items())):
+            return f"ignored {path}: not a record this version writes"
+        self.record = record
+        return f"found the record of the rules written before the last shutdown ({len(record['chains'])} chains)"
 
     def _partial_sync(self, changed: set, start: float) -> SyncResult:
         t0 = time.monotonic()
@@ -348,6 +507,31 @@ class IptablesProxier(ProxierBase):
         self.compiled = {}
         self.need_full = True
         return text.count("\n-X ")
+
+
+RECORD_DIR = "/run/kubenode-proxy"
+RECORD_VERSION = 1
+_UNTRUSTED = "#not as recorded"  # a placeholder rule: differs from any rule we write
+
+
+def record_path(kernel: IptablesKernel, directory: str = RECORD_DIR) -> str:
+    """Where the record of the rules applied in this kernel's namespace lives."""
+    binary = os.path.basename(kernel.binary)
+    return os.path.join(directory, f"iptables-applied-{binary}-netns{kernel.netns_id() or 'unknown'}.json")
+
+
+def chain_digest(chain: str, lines: List[str]) -> str:
+    """A chain's content in 16 hex digits; shared chains as the multiset of their rules
+    (partial syncs insert and delete in place, so their order is not the compiled one)."""
+    text = "\n".join(sorted(lines) if chain in ipt.SHARED_CHAINS else lines)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 LISTING_EVERY = 6  # periodic checks of a large table: one in this many lists the chain names
