@@ -56,6 +56,10 @@ def served_family(cfg: kpconfig.ProxyConfig) -> int:
 
 def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> Any:
     """The compiler configuration of the configured mode (IptablesConfig or IpvsConfig)."""
+    if cfg.mode == "nftables":  # nftables mode (the modes registry will absorb this branch)
+        from .modes.nftables.proxier import nftables_config
+
+        return nftables_config(cfg, state, netns)
     ipt = iptables_config(cfg, state, netns)
     if cfg.mode == "ipvs":
         from .ipvs_proxier import ipvs_config
@@ -69,6 +73,12 @@ def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kern
     """IptablesProxier, or IpvsProxier in IPVS mode (same interface). Like upstream's
     NewProxier, iptables mode sets route_localnet for localhost NodePorts (RuntimeError if
     it cannot)."""
+    if cfg.mode == "nftables":  # nftables mode (the modes registry will absorb this branch)
+        from .kernel.nft import NftKernel
+        from .modes.nftables.proxier import NftablesProxier
+
+        return NftablesProxier(state, proxier_config(cfg, state, netns), NftKernel(netns),
+                               refresh=lambda: proxier_config(cfg, state, netns))
     if cfg.mode == "ipvs":
         from .ipvs_proxier import IpvsProxier
 

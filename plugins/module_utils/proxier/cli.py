@@ -21,6 +21,7 @@ from .app import build_proxier, served_family
 from .backends.iptables import IptablesConfig
 from .iptables_proxier import IptablesProxier
 from .kernel.iptables import IptablesKernel, KernelError
+from .kernel.nft import NftError
 from .sources.manifests import DEFAULT_MAX_FILE_BYTES, load_dir
 from .state import ProxyState
 
@@ -169,8 +170,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except kpconfig.ConfigError as e:
         _err(f"error: {e}")
         return 2
-    if cfg.mode not in ("iptables", "ipvs"):
-        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (iptables or ipvs)")
+    if cfg.mode not in ("iptables", "ipvs", "nftables"):
+        _err(f"error: proxy mode {cfg.mode!r} is not implemented yet (iptables, ipvs or nftables)")
         return 2
     hostname = (cfg.hostname_override or socket.gethostname()).strip().lower()
     state = ProxyState(hostname)
@@ -178,6 +179,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.cleanup and cfg.mode == "ipvs":
         return _cleanup_ipvs(cfg, state, args.netns, kernel)
+    if args.cleanup and cfg.mode == "nftables":  # nftables mode (the modes registry will absorb this)
+        from .kernel.nft import NftKernel
+        from .modes.nftables.compile import NftablesConfig
+        from .modes.nftables.proxier import NftablesProxier
+
+        try:
+            n = NftablesProxier(state, NftablesConfig(), NftKernel(args.netns)).cleanup()
+        except NftError as e:
+            _err(f"error: cleanup failed: {e}")
+            return 1
+        _log(f"cleanup: removed {n} nftables table(s) (ip kube-proxy)")
+        return 0
     if args.cleanup:
         proxier = IptablesProxier(state, IptablesConfig(masquerade_bit=cfg.masquerade_bit), kernel)
         try:
@@ -205,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     try:
         result = proxier.sync(force_full=True)
-    except KernelError as e:
+    except (KernelError, NftError) as e:
         _err(f"error: sync failed: {e}")
         return 1
     _report(result, args.verbose)

@@ -1,0 +1,85 @@
+# Copyright (c) kubenode.proxy contributors
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Kernel I/O for nftables mode: ``nft -f -`` (one transaction: the kernel applies the
+whole input or nothing), and the few cheap reads the proxier needs. Imports nothing
+above kernel/.
+
+``nft`` rather than libnftables (python3-nftables): the binding is not installed on
+these nodes, and the cost of a large load is the kernel's and nft's parser either way
+(docs/nftables.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Callable, List, Optional, Set
+
+
+class NftError(RuntimeError):
+    """nft refused its input or could not run; nothing of that input was applied."""
+
+
+class NftKernel:
+    """Runs ``nft``, optionally inside a network namespace (``ip netns exec``)."""
+
+    def __init__(self, netns: str = "", binary: str = "nft", runner: Callable = subprocess.run,
+                 timeout: float = 300.0) -> None:
+        self.prefix: List[str] = ["ip", "netns", "exec", netns] if netns else []
+        self.binary = binary
+        self._run = runner
+        self.timeout = timeout
+
+    def _argv(self, *args: str) -> List[str]:
+        return self.prefix + [self.binary, *args]
+
+    def apply(self, script: str, check_only: bool = False) -> None:
+        """One ``nft -f -`` transaction (``-c``: parse and check against the kernel, apply
+        nothing). Raises NftError with nft's message."""
+        argv = self._argv(*(["-c"] if check_only else []), "-f", "-")
+        try:
+            proc = self._run(argv, input=script, capture_output=True, text=True, check=False, timeout=self.timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NftError(f"nft -f failed to run: {e}") from None
+        if proc.returncode != 0:
+            raise NftError(f"nft -f failed ({proc.returncode}): {_first_lines(proc.stderr)}")
+
+    def table_exists(self, family: str, table: str) -> bool:
+        proc = self._run(self._argv("list", "tables", family), capture_output=True, text=True, check=False)
+        return proc.returncode == 0 and f"table {family} {table}" in proc.stdout.splitlines()
+
+    def chain_rules(self, family: str, table: str, chain: str) -> Optional[List[str]]:
+        """The rules of one chain as ``nft list chain`` prints them (handles and counters
+        left out), or None when the chain (or table) is not there. Cheap for a short chain
+        whatever the table's size (the canary check, every second)."""
+        proc = self._run(self._argv("list", "chain", family, table, chain), capture_output=True, text=True,
+                         check=False)
+        if proc.returncode != 0:
+            return None
+        lines = [line.strip() for line in proc.stdout.splitlines()]
+        body = [line for line in lines if line and not line.startswith(("table ", "chain ", "type ", "}", "comment "))]
+        return body
+
+    def list_chains(self, family: str, table: str) -> Optional[Set[str]]:
+        """Every chain name of the table (JSON listing, no rules), or None without the table."""
+        proc = self._run(self._argv("-j", "list", "chains", family), capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            return None
+        out: Set[str] = set()
+        for item in json.loads(proc.stdout or "{}").get("nftables", []):
+            chain = item.get("chain")
+            if chain and chain.get("table") == table and chain.get("family") == family:
+                out.add(chain["name"])
+        return out
+
+    def list_table(self, family: str, table: str) -> str:
+        """The whole table (tests and debugging; never on the sync path)."""
+        proc = self._run(self._argv("list", "table", family, table), capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise NftError(f"nft list table {family} {table} failed: {_first_lines(proc.stderr)}")
+        return proc.stdout
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[:n]) + (f"\n(+{len(lines) - n} more lines)" if len(lines) > n else "")

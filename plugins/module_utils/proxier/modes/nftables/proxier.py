@@ -1,0 +1,196 @@
+# Copyright (c) kubenode.proxy contributors
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""nftables mode: state -> compile (per service, cached) -> plan -> one ``nft -f``.
+
+A full sync replaces the whole ``kube-proxy`` table in one transaction (packets see the
+old table or the new one, never a mix). A partial sync recompiles only the services that
+changed and writes the difference against what was applied last: elements of the shared
+maps, the changed service chains, new and stale per-service objects. Nothing is listed on
+that path. Any failure makes the next sync a full one; the kernel keeps the previous
+table.
+
+Repair: ``check()``, run every second by the sync thread, reads one short base chain
+(``nat-prerouting``, which must hold ``jump services``): gone or emptied when someone
+deleted or flushed the table or the whole ruleset. The next sync is then a full one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Optional, Set
+
+from ...iptables_proxier import SyncResult
+from ...kernel.nft import NftKernel
+from ...model import ValidationError
+from ...state import ProxyState
+from . import compile as nc
+from .plan import plan_partial
+
+CANARY_CHAIN = "nat-prerouting"
+CANARY_RULE = "jump services"
+
+
+def nftables_config(cfg: Any, state: ProxyState, netns: str, family: str = "ip") -> nc.NftablesConfig:
+    """The mode's config from a ProxyConfig: the iptables mode's fields that mean the same
+    (masquerade bit, masqueradeAll, local detection, nodePortAddresses, node IPs). Localhost
+    NodePorts are off: upstream's nftables mode does not serve them (no route_localnet)."""
+    from dataclasses import replace
+
+    from ...app import iptables_config
+
+    base = replace(iptables_config(cfg, state, netns), localhost_nodeports=False)
+    return nc.NftablesConfig(base=base, family=family)
+
+
+class NftablesProxier:
+    name = "nftables"
+
+    def __init__(self, state: ProxyState, cfg: nc.NftablesConfig, kernel: NftKernel,
+                 refresh: Optional[Callable[[], nc.NftablesConfig]] = None) -> None:
+        self.state = state
+        self.cfg = cfg
+        self.kernel = kernel
+        self.refresh = refresh
+        self.applied: Dict[str, nc.ServiceNft] = {}  # what the kernel has, per service
+        self._applied_cfg: Optional[nc.NftablesConfig] = None
+        self.need_full = True
+        self.last_attempt_full = True
+        self.pending_repair = ""
+        self.rejected: Dict[str, str] = {}
+        self._counts: Dict[str, int] = {}
+
+    @property
+    def head(self) -> str:
+        return nc.table_head(self.cfg)
+
+    def _compile(self, key: str, last_good: Optional[nc.ServiceNft]) -> Optional[nc.ServiceNft]:
+        """One service; a refused one is named in ``rejected`` and keeps ``last_good``."""
+        if key not in self.state.services:
+            self.rejected.pop(key, None)
+            return None
+        try:
+            out = nc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
+        except ValidationError as e:
+            self.rejected[key] = str(e)
+            return last_good
+        self.rejected.pop(key, None)
+        return out
+
+    def sync(self, force_full: bool = False) -> SyncResult:
+        start = time.monotonic()
+        changed = self.state.take_changes()
+        if self.cfg != self._applied_cfg:
+            self.need_full = True
+        full = force_full or self.need_full or bool(self.pending_repair)
+        self.last_attempt_full = full
+        repair = self.pending_repair
+        try:
+            result = self._full(changed, start) if full else self._partial(changed, start)
+        except Exception:
+            # Keep the changes for the retry, and trust nothing we remember.
+            self.state._changed |= changed
+            self.need_full = True
+            raise
+        self.need_full = False
+        self.pending_repair = ""
+        result.changed = changed
+        result.rejected = dict(self.rejected)
+        result.repair = repair
+        return result
+
+    def _full(self, changed: Set[str], start: float) -> SyncResult:
+        compiled: Dict[str, nc.ServiceNft] = {}
+        same_cfg = self.cfg == self._applied_cfg
+        for key in self.state.services:
+            old = self.applied.get(key) if same_cfg else None
+            if old is not None and key not in changed and key not in self.rejected:
+                compiled[key] = old  # pure compile: unchanged input, unchanged output
+                continue
+            out = self._compile(key, old)
+            if out is not None:
+                compiled[key] = out
+        script = nc.render_full(compiled, self.cfg)
+        compile_s = time.monotonic() - start
+        t = time.monotonic()
+        self.kernel.apply(script)
+        apply_s = time.monotonic() - t
+        self.applied = compiled
+        self._applied_cfg = self.cfg
+        self._recount()
+        return self._result(True, self._counts.get("rules", 0), ["table replaced"], compile_s, apply_s, start)
+
+    def _partial(self, changed: Set[str], start: float) -> SyncResult:
+        old: Dict[str, Optional[nc.ServiceNft]] = {}
+        new: Dict[str, Optional[nc.ServiceNft]] = {}
+        for key in changed:
+            before = self.applied.get(key)
+            old[key] = before
+            new[key] = self._compile(key, before)
+        p = plan_partial(self.head, old, new)
+        compile_s = time.monotonic() - start
+        t = time.monotonic()
+        if p.text:
+            self.kernel.apply(p.text)
+        apply_s = time.monotonic() - t
+        for key, svc in new.items():
+            before = old[key]
+            if before is not None:
+                _count(self._counts, before, -1)
+            if svc is None:
+                self.applied.pop(key, None)
+            else:
+                self.applied[key] = svc
+                _count(self._counts, svc, 1)
+        return self._result(False, p.rules_written, p.changes, compile_s, apply_s, start)
+
+    def _recount(self) -> None:
+        self._counts = {}
+        for svc in self.applied.values():
+            _count(self._counts, svc, 1)
+
+    def _result(self, full: bool, written: int, changes: list, compile_s: float, apply_s: float,
+                start: float) -> SyncResult:
+        c = self._counts
+        return SyncResult(
+            full=full, services=len(self.state.services), endpoints=c.get("endpoints", 0),
+            rules=c.get("rules", 0) + _infra_rules(self.cfg), rules_written=written, changes=changes,
+            compile_seconds=compile_s, apply_seconds=apply_s, total_seconds=time.monotonic() - start,
+            no_endpoint_ports=c.get("no_endpoint_ports", 0))
+
+    def check(self) -> bool:
+        """The every-second check: True when the table was deleted or flushed (the canary
+        base chain is gone or lost its rule) and the next sync must repair it."""
+        if self.need_full or self._applied_cfg is None:
+            return False  # a full sync is due anyway
+        rules = self.kernel.chain_rules(self.cfg.family, nc.TABLE, CANARY_CHAIN)
+        if rules is not None and CANARY_RULE in rules:
+            return False
+        self.pending_repair = (f"table {self.head} is gone" if rules is None
+                               else f"chain {CANARY_CHAIN} lost its '{CANARY_RULE}' rule")
+        return True
+
+    def cleanup(self) -> int:
+        """Delete the table (every object we create lives in it). Returns 1 if it existed."""
+        existed = self.kernel.table_exists(self.cfg.family, nc.TABLE)
+        self.kernel.apply(nc.cleanup_text(self.cfg))
+        self.applied = {}
+        self._applied_cfg = None
+        self.need_full = True
+        return 1 if existed else 0
+
+    def rule_counts(self) -> Dict[str, int]:
+        """Rules we own, by table (one table here: ``ip kube-proxy``)."""
+        return {self.head: self._counts.get("rules", 0) + _infra_rules(self.cfg)}
+
+    def close(self) -> None:
+        pass
+
+
+def _infra_rules(cfg: nc.NftablesConfig) -> int:
+    return sum(len(r) for r in nc.infrastructure(cfg).rules.values())
+
+
+def _count(counts: Dict[str, int], svc: nc.ServiceNft, sign: int) -> None:
+    counts["rules"] = counts.get("rules", 0) + sign * svc.rule_count()
+    counts["endpoints"] = counts.get("endpoints", 0) + sign * svc.endpoints
+    counts["no_endpoint_ports"] = counts.get("no_endpoint_ports", 0) + sign * svc.no_endpoint_ports
