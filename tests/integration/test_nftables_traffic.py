@@ -326,3 +326,35 @@ def test_hostile_name_never_reaches_nft_text(cluster):
     assert all("flush ruleset" not in script and "pwn" not in script for script in calls)
     assert "pwn" not in cluster.exec("node", ["nft", "list", "tables"]).stdout
     assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("selection", ["chained", "vmap"])
+def test_compiled_text_of_every_feature_passes_nft_check(lab, selection):
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
+        Endpoint,
+        ServicePort,
+        ServicePortName,
+    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables import compile as nc
+
+    eps_ = [Endpoint("10.244.1.1", 80, is_local=True), Endpoint("10.244.1.2", 80),
+            Endpoint("10.244.1.3", 80, ready=False, serving=True, terminating=True)]
+    ports = [
+        ServicePort(ServicePortName("ns1", "all", "p80", "TCP"), "10.96.0.1", 80, "TCP", node_port=30001,
+                    external_ips=("203.0.113.1",), load_balancer_ips=("198.51.100.1",),
+                    load_balancer_source_ranges=("192.168.50.0/24", "10.0.0.0/8"), external_policy_local=True,
+                    session_affinity_seconds=600),
+        ServicePort(ServicePortName("ns1", "udp", "", "UDP"), "10.96.0.2", 53, "UDP", internal_policy_local=True),
+        ServicePort(ServicePortName("ns1", "sctp", "s", "SCTP"), "10.96.0.3", 9, "SCTP", node_port=30002),
+    ]
+    base = IptablesConfig(local_mode="InterfaceNamePrefix", local_interface="cali", node_port_match_all=False,
+                          node_port_ips=("192.168.50.1",), masquerade_random_fully=True, node_ips=("192.168.50.1",))
+    for cfg in (nc.NftablesConfig(base=IptablesConfig(local_cidrs=("10.244.0.0/16",)), endpoint_selection=selection),
+                nc.NftablesConfig(base=base, endpoint_selection=selection)):
+        compiled = {f"ns1/{sp.name.name}": nc.compile_service([sp], {sp.name: eps_}, cfg) for sp in ports}
+        compiled["ns1/none"] = nc.compile_service(
+            [ServicePort(ServicePortName("ns1", "none", "", "TCP"), "10.96.0.4", 80, "TCP", node_port=30003)], {}, cfg)
+        text = nc.render_full(compiled, cfg)
+        assert ("ip saddr != 10.244.0.0/16" in text) != ('iifname != "cali*"' in text)
+        NftKernel(lab.ns("node")).apply(text, check_only=True)
+    assert nft_table(lab.ns("node")) == ""  # -c applied nothing
