@@ -121,7 +121,8 @@ def test_partial_plan_of_one_endpoint_change():
     assert lines == [
         f"add chain ip kube-proxy {e3}",
         f"flush chain ip kube-proxy {S1}",
-        f"add rule ip kube-proxy {S1} ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
+        f"add rule ip kube-proxy {S1} ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 "
+        "jump mark-for-masquerade",
         f"add rule ip kube-proxy {S1} numgen random mod 2 == 0 goto {E1}",
         f"add rule ip kube-proxy {S1} goto {e3}",
         f"add rule ip kube-proxy {e3} ip saddr 10.180.0.3 jump mark-for-masquerade",
