@@ -88,7 +88,25 @@ def test_affinity_sets_and_rules():
     aff = "affinity-" + E1[9:]
     assert out.sets == {aff: "type ipv4_addr ; flags dynamic,timeout ; timeout 10800s ;"}
     assert out.chains[S1][1:] == [f"ip saddr @{aff} goto {E1}", f"goto {E1}"]
-    assert out.chains[E1][1] == f"update @{aff} {{ ip saddr }}"
+    assert out.chains[E1][1] == f"update @{aff} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.1:80"
+
+
+def test_inlined_endpoints_have_no_endpoint_chains():
+    sp = ServicePort(SVC1, "172.30.0.41", 80, "TCP", session_affinity_seconds=60)
+    out = one(sp, [EP1, EP2], replace(CFG, endpoint_chains=False))
+    aff1 = "affinity-" + E1[9:]
+    aff2 = "affinity-" + nc.endpoint_base("ns1", "svc1", "p80", "tcp", EP2)
+    assert list(out.chains) == [S1]
+    assert out.chains[S1] == [
+        "ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
+        "ip saddr 10.180.0.1 jump mark-for-masquerade",
+        "ip saddr 10.180.0.2 jump mark-for-masquerade",
+        f"ip saddr @{aff1} update @{aff1} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.1:80",
+        f"ip saddr @{aff2} update @{aff2} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.2:80",
+        f"numgen random mod 2 == 0 update @{aff1} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.1:80",
+        f"update @{aff2} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.2:80",
+    ]
+    assert set(out.sets) == {aff1, aff2}
 
 
 @pytest.mark.parametrize("port_name", ['a"b', "a b", "a;b", "a\nb", "ä", "a}b", "a{b", "a#b"])

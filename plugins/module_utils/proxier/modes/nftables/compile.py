@@ -54,6 +54,10 @@ class NftablesConfig:
     base: IptablesConfig = field(default_factory=IptablesConfig)
     family: str = "ip"  # "ip" now; "ip6" when dual-stack arrives
     endpoint_selection: str = ENDPOINT_CHAINED
+    # False: no endpoint-* chains, each endpoint's DNAT written into its service chain
+    # (a quarter of the chains: nft's per-invocation cache and the kernel's table
+    # validation both cost per chain; docs/nftables.md has the numbers).
+    endpoint_chains: bool = True
 
     @property
     def mark(self) -> str:
@@ -140,15 +144,17 @@ def local_match(cfg: NftablesConfig, negate: bool) -> str:
     return f"iifname {op}{text.nft_string(name, 'detectLocal.interface')}"
 
 
-def _endpoint_choice(targets: Sequence[str], cfg: NftablesConfig) -> List[str]:
-    """Rules sending a packet to one of ``targets`` (endpoint chains) with equal chance."""
+def _endpoint_choice(targets: Sequence[str], cfg: NftablesConfig, goto: bool = True) -> List[str]:
+    """Rules sending a packet to one of ``targets`` with equal chance: endpoint chains
+    (``goto``), or each endpoint's own statements (inlined: a ``dnat`` ends the rule)."""
     n = len(targets)
-    if cfg.endpoint_selection == ENDPOINT_VMAP:
+    if cfg.endpoint_selection == ENDPOINT_VMAP and goto:
         body = ", ".join(f"{i} : goto {t}" for i, t in enumerate(targets))
         return [f"numgen random mod {n} vmap {{ {body} }}"]
+    verb = "goto " if goto else ""
     # The iptables statistic split: rule i takes 1/(n-i) of what reaches it.
-    out = [f"numgen random mod {n - i} == 0 goto {t}" for i, t in enumerate(targets[:-1])]
-    out.append(f"goto {targets[-1]}")
+    out = [f"numgen random mod {n - i} == 0 {verb}{t}" for i, t in enumerate(targets[:-1])]
+    out.append(f"{verb}{targets[-1]}")
     return out
 
 
@@ -263,32 +269,43 @@ def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cf
         # rest returns and is DNATed by the nat chains.
         chains[firewall_chain] = [f"{af} saddr != {{ {', '.join(allowed)} }} drop"]
 
-    ep_chain: Dict[str, str] = {}
-    for ep in cat.reachable:
-        ep_chain[ep.addr] = _ident(svc, "endpoint-" + endpoint_base(n.namespace, n.name, n.port, proto, ep))
+    # Per endpoint: its chain name (upstream's layout) or, inlined, the affinity set name
+    # alone (the base is the same), and the endpoint's statements.
+    ep_base = {ep.addr: _ident(svc, "endpoint-" + endpoint_base(n.namespace, n.name, n.port, proto, ep))[9:]
+               for ep in cat.reachable}
     affinity = svc.session_affinity_seconds
+    if affinity:
+        decl = f"type {'ipv6_addr' if af == 'ip6' else 'ipv4_addr'} ; flags dynamic,timeout ; timeout {affinity}s ;"
+        for ep in cat.reachable:
+            out.sets["affinity-" + ep_base[ep.addr]] = decl
+
+    def dnat(ep: Endpoint) -> str:
+        """What an endpoint chain ends with: refresh the affinity entry, DNAT."""
+        dest = f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else ep.addr
+        update = f"update @affinity-{ep_base[ep.addr]} {{ {af} saddr }} " if affinity else ""
+        return f"{update}meta l4proto {proto} dnat to {dest}"
+
+    inline = not cfg.endpoint_chains
     for chain, members, used in ((service_chain, cat.cluster, uses_cluster_chain),
                                  (local_chain, cat.local, uses_local_chain)):
         if not used:
             continue
         rules = chains.setdefault(chain, [])
+        if inline:
+            # Hairpin: an endpoint calling its own service is masqueraded (upstream does it
+            # only when it is sent to itself; here any endpoint of the service calling it).
+            rules.extend(f"{af} saddr {ep.ip} jump {MARK_MASQ}" for ep in members)
+            if affinity:
+                rules.extend(f"{af} saddr @affinity-{ep_base[ep.addr]} {dnat(ep)}" for ep in members)
+            rules.extend(_endpoint_choice([dnat(ep) for ep in members], cfg, goto=False))
+            continue
         if affinity:
-            for ep in members:
-                target = ep_chain[ep.addr]
-                rules.append(f"{af} saddr @affinity-{target[9:]} goto {target}")
-        rules.extend(_endpoint_choice([ep_chain[ep.addr] for ep in members], cfg))
+            rules.extend(f"{af} saddr @affinity-{ep_base[ep.addr]} goto endpoint-{ep_base[ep.addr]}" for ep in members)
+        rules.extend(_endpoint_choice(["endpoint-" + ep_base[ep.addr] for ep in members], cfg))
 
-    for ep in cat.reachable:
-        chain = ep_chain[ep.addr]
-        rules = [f"{af} saddr {ep.ip} jump {MARK_MASQ}"]
-        if affinity:
-            aff = "affinity-" + chain[9:]
-            out.sets[aff] = f"type {'ipv6_addr' if af == 'ip6' else 'ipv4_addr'} ; flags dynamic,timeout ; " \
-                            f"timeout {affinity}s ;"
-            rules.append(f"update @{aff} {{ {af} saddr }}")
-        dest = f"[{ep.ip}]:{ep.port}" if ":" in ep.ip else ep.addr
-        rules.append(f"meta l4proto {proto} dnat to {dest}")
-        chains[chain] = rules
+    if not inline:
+        for ep in cat.reachable:
+            chains["endpoint-" + ep_base[ep.addr]] = [f"{af} saddr {ep.ip} jump {MARK_MASQ}", dnat(ep)]
     out.endpoints += len(cat.reachable)
 
 
