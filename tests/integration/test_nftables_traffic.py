@@ -31,6 +31,8 @@ BACKENDS = {"be1": "10.244.1.1", "be2": "10.244.1.2", "be3": "10.244.1.3"}
 HTTP = [tcp(80, "http")]
 HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
 MODE = ("--proxy-mode", "nftables")
+# The default layout (endpoints inlined into service chains) and upstream's endpoint-* chains.
+LAYOUTS = pytest.mark.parametrize("endpoint_chains", [False, True], ids=["inlined", "endpoint-chains"])
 
 
 def nft_table(netns: str) -> str:
@@ -189,6 +191,15 @@ def test_hairpin_is_masqueraded(cluster):
     assert reply.ok and reply.backend == "be1" and reply.seen_client == cluster.node_ip
 
 
+@LAYOUTS
+def test_only_hairpin_is_masqueraded_between_endpoints_of_one_service(cluster, endpoint_chains):
+    proxy = Proxy(cluster, endpoint_chains)
+    proxy.set(svc("hp", "10.96.0.80", HTTP), eps("hp", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
+    proxy.sync()
+    seen = {(r.backend, r.seen_client) for r in cluster.request_many("be1", "10.96.0.80", 80, count=TRIES)}
+    assert seen == {("be1", cluster.node_ip), ("be2", BACKENDS["be1"])}  # to itself: masqueraded; else not
+
+
 def test_cleanup_removes_the_table_and_leaves_other_tables(cluster):
     node = cluster.ns("node")
     cluster.nft("add table ip mine\nadd chain ip mine c\nadd rule ip mine c ip daddr 10.1.2.3 return\n")
@@ -207,11 +218,11 @@ def test_cleanup_removes_the_table_and_leaves_other_tables(cluster):
 class Proxy:
     """An NftablesProxier on the lab's node namespace, fed objects directly."""
 
-    def __init__(self, lab):
+    def __init__(self, lab, endpoint_chains=False):
         self.lab = lab
         self.state = ProxyState("node1")
         cfg = NftablesConfig(base=IptablesConfig(local_cidrs=("10.244.0.0/16",), localhost_nodeports=False,
-                                                 node_ips=(lab.node_ip,)))
+                                                 node_ips=(lab.node_ip,)), endpoint_chains=endpoint_chains)
         self.proxier = NftablesProxier(self.state, cfg, NftKernel(lab.ns("node")))
 
     def set(self, *objects):
@@ -225,8 +236,9 @@ class Proxy:
         return self.proxier.sync(**kw)
 
 
-def test_endpoint_change_is_a_partial_sync_and_takes_effect(cluster):
-    proxy = Proxy(cluster)
+@LAYOUTS
+def test_endpoint_change_is_a_partial_sync_and_takes_effect(cluster, endpoint_chains):
+    proxy = Proxy(cluster, endpoint_chains)
     proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP),
               svc("other", "10.96.0.11", HTTP), eps("other", [BACKENDS["be1"]], HTTP_EP))
     assert proxy.sync().full
@@ -234,10 +246,14 @@ def test_endpoint_change_is_a_partial_sync_and_takes_effect(cluster):
     proxy.set(eps("web", [BACKENDS["be3"]], HTTP_EP))
     result = proxy.sync()
     assert not result.full and result.changed == {"default/web"}
-    assert any(c.startswith("-chain endpoint-") for c in result.changes), result.changes
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=10)) == Counter({"be3": 10})
     table = nft_table(cluster.ns("node"))
-    assert table.count("chain endpoint-") == 2  # be3 of web, be1 of other: the stale chains are gone
+    if endpoint_chains:
+        assert any(c.startswith("-chain endpoint-") for c in result.changes), result.changes
+        assert table.count("chain endpoint-") == 2  # be3 of web, be1 of other: the stale chains are gone
+    else:
+        assert "chain endpoint-" not in table
+        assert "10.244.1.2 . 10.244.1.2" not in table and "10.244.1.1 . 10.244.1.1" in table  # be1: "other"
     # The service goes to no endpoints and back, partially each time.
     proxy.set(eps("web", [], HTTP_EP))
     assert not proxy.sync().full
@@ -253,8 +269,9 @@ def test_endpoint_change_is_a_partial_sync_and_takes_effect(cluster):
     assert backends(cluster.request_many("client", "10.96.0.11", 80, count=3)) == Counter({"be1": 3})
 
 
-def test_affinity_added_and_removed_by_partial_syncs(cluster):
-    proxy = Proxy(cluster)
+@LAYOUTS
+def test_affinity_added_and_removed_by_partial_syncs(cluster, endpoint_chains):
+    proxy = Proxy(cluster, endpoint_chains)
     proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
     proxy.sync()
     proxy.set(svc("web", "10.96.0.10", HTTP, sessionAffinity="ClientIP",
@@ -358,3 +375,19 @@ def test_compiled_text_of_every_feature_passes_nft_check(lab, selection):
         assert ("ip saddr != 10.244.0.0/16" in text) != ('iifname != "cali*"' in text)
         NftKernel(lab.ns("node")).apply(text, check_only=True)
     assert nft_table(lab.ns("node")) == ""  # -c applied nothing
+
+
+def test_periodic_full_sync_checks_then_syncs_partially_until_a_rewrite_is_due(cluster):
+    proxy = Proxy(cluster)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    assert proxy.sync(force_full=True).full
+    proxy.set(eps("web", [BACKENDS["be2"]], HTTP_EP))
+    result = proxy.sync(force_full=True)  # the daemon's periodic resync, the table intact
+    assert not result.full and result.changed == {"default/web"}
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    cluster.nft("flush chain ip kube-proxy nat-prerouting\n")
+    result = proxy.sync(force_full=True)
+    assert result.full and "jump services" in result.repair
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    proxy.proxier.rewrite_period = 0
+    assert proxy.sync(force_full=True).full

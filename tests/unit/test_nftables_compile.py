@@ -12,10 +12,10 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model impor
     ValidationError,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables import compile as nc
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.plan import plan_partial
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.plan import count_refs, plan_partial
 
 CFG = nc.NftablesConfig(base=IptablesConfig(local_cidrs=("10.0.0.0/8",), node_ips=("192.168.0.2",),
-                                            localhost_nodeports=False))
+                                            localhost_nodeports=False), endpoint_chains=True)  # upstream's layout
 SVC1 = ServicePortName("ns1", "svc1", "p80", "TCP")
 EP1 = Endpoint("10.180.0.1", 80, is_local=True)
 EP2 = Endpoint("10.180.0.2", 80)
@@ -99,14 +99,35 @@ def test_inlined_endpoints_have_no_endpoint_chains():
     assert list(out.chains) == [S1]
     assert out.chains[S1] == [
         "ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
-        "ip saddr 10.180.0.1 jump mark-for-masquerade",
-        "ip saddr 10.180.0.2 jump mark-for-masquerade",
         f"ip saddr @{aff1} update @{aff1} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.1:80",
         f"ip saddr @{aff2} update @{aff2} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.2:80",
         f"numgen random mod 2 == 0 update @{aff1} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.1:80",
         f"update @{aff2} {{ ip saddr }} meta l4proto tcp dnat to 10.180.0.2:80",
     ]
     assert set(out.sets) == {aff1, aff2}
+    assert out.elements["hairpin-ips"] == ["10.180.0.1 . 10.180.0.1", "10.180.0.2 . 10.180.0.2"]
+    infra = nc.infrastructure(replace(CFG, endpoint_chains=False))
+    assert infra.rules["nat-postrouting"] == [
+        "ct status dnat ip saddr . ip daddr @hairpin-ips jump mark-for-masquerade", "jump masquerading"]
+
+
+def test_shared_set_elements_are_counted_across_services():
+    cfg = replace(CFG, endpoint_chains=False)
+    a = ServicePort(SVC1, "172.30.0.41", 80, "TCP")
+    b = ServicePort(ServicePortName("ns1", "svc2", "p80", "TCP"), "172.30.0.42", 80, "TCP")
+    applied = {"a": one(a, [EP1], cfg), "b": one(b, [EP1], cfg)}
+    refs = count_refs(applied)
+    assert refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 2}
+    # One of the two services lets go of 10.180.0.1: the element stays for the other.
+    p = plan_partial("ip kube-proxy", {"a": applied["a"]}, {"a": one(a, [EP2], cfg)}, refs)
+    assert "delete element ip kube-proxy hairpin-ips { 10.180.0.1 . 10.180.0.1 }" not in p.text
+    assert "add element ip kube-proxy hairpin-ips { 10.180.0.2 . 10.180.0.2 }" in p.text
+    assert p.refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 1, "10.180.0.2 . 10.180.0.2": 1}
+    # The last one goes too: now it is deleted.
+    p2 = plan_partial("ip kube-proxy", {"b": applied["b"]}, {"b": None}, p.refs)
+    assert "delete element ip kube-proxy hairpin-ips { 10.180.0.1 . 10.180.0.1 }" in p2.text
+    assert "delete element ip kube-proxy cluster-ips { 172.30.0.42 }" in p2.text
+    assert refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 2}  # the input is not changed
 
 
 @pytest.mark.parametrize("port_name", ['a"b', "a b", "a;b", "a\nb", "ä", "a}b", "a{b", "a#b"])

@@ -42,6 +42,10 @@ FIREWALL_IPS = "firewall-ips"
 CLUSTER_IPS = "cluster-ips"
 NODEPORT_IPS = "nodeport-ips"
 MARK_MASQ = "mark-for-masquerade"
+HAIRPIN_IPS = "hairpin-ips"  # not upstream's: inlined endpoints only (see _compile_port)
+# Sets whose elements several services may add (an endpoint IP serves many services): the
+# planner counts them and deletes an element when its last service lets go of it.
+SHARED_ELEMENT_SETS = frozenset({HAIRPIN_IPS, "cluster-ips"})
 REJECT_CHAIN = "reject-chain"
 # Per-service object name prefixes: only these are ever deleted by a sync.
 SERVICE_PREFIXES = ("service-", "external-", "local-", "firewall-", "endpoint-", "affinity-")
@@ -54,10 +58,11 @@ class NftablesConfig:
     base: IptablesConfig = field(default_factory=IptablesConfig)
     family: str = "ip"  # "ip" now; "ip6" when dual-stack arrives
     endpoint_selection: str = ENDPOINT_CHAINED
-    # False: no endpoint-* chains, each endpoint's DNAT written into its service chain
-    # (a quarter of the chains: nft's per-invocation cache and the kernel's table
-    # validation both cost per chain; docs/nftables.md has the numbers).
-    endpoint_chains: bool = True
+    # False (default): no endpoint-* chains, each endpoint's DNAT written into its service
+    # chain, hairpin masquerade from one shared set: a quarter of the chains, and nft's
+    # per-invocation cache and the kernel's commit both cost per chain (docs/nftables.md
+    # has the numbers). True: upstream's endpoint-* chains.
+    endpoint_chains: bool = False
 
     @property
     def mark(self) -> str:
@@ -292,9 +297,6 @@ def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cf
             continue
         rules = chains.setdefault(chain, [])
         if inline:
-            # Hairpin: an endpoint calling its own service is masqueraded (upstream does it
-            # only when it is sent to itself; here any endpoint of the service calling it).
-            rules.extend(f"{af} saddr {ep.ip} jump {MARK_MASQ}" for ep in members)
             if affinity:
                 rules.extend(f"{af} saddr @affinity-{ep_base[ep.addr]} {dnat(ep)}" for ep in members)
             rules.extend(_endpoint_choice([dnat(ep) for ep in members], cfg, goto=False))
@@ -303,7 +305,13 @@ def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cf
             rules.extend(f"{af} saddr @affinity-{ep_base[ep.addr]} goto endpoint-{ep_base[ep.addr]}" for ep in members)
         rules.extend(_endpoint_choice(["endpoint-" + ep_base[ep.addr] for ep in members], cfg))
 
-    if not inline:
+    if inline:
+        # Hairpin (an endpoint sent to itself) is masqueraded in nat-postrouting, where the
+        # packet's source equals its DNATed destination: one shared set, not a rule per
+        # endpoint (elements are counted across services by the planner).
+        for ep in cat.reachable:
+            out.element(HAIRPIN_IPS, f"{ep.ip} . {ep.ip}")
+    else:
         for ep in cat.reachable:
             chains["endpoint-" + ep_base[ep.addr]] = [f"{af} saddr {ep.ip} jump {MARK_MASQ}", dnat(ep)]
     out.endpoints += len(cat.reachable)
@@ -330,6 +338,9 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
                      'comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ;',
         SERVICE_NODEPORTS: 'type inet_proto . inet_service : verdict ; comment "NodePort traffic" ;',
     }
+    if not cfg.endpoint_chains:
+        sets[HAIRPIN_IPS] = f'type {addr_type} . {addr_type} ; comment "endpoint IP . endpoint IP: hairpin traffic" ;'
+
     chains = {
         "filter-prerouting": "type filter hook prerouting priority dstnat - 10 ;",
         "filter-input": "type filter hook input priority -110 ;",
@@ -357,7 +368,9 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
         "filter-output-post-dnat": ["ct state new jump cluster-ips-check"],
         "nat-prerouting": ["jump services"],
         "nat-output": ["jump services"],
-        "nat-postrouting": ["jump masquerading"],
+        "nat-postrouting": ([] if cfg.endpoint_chains else
+                            [f"ct status dnat {af} saddr . {af} daddr @{HAIRPIN_IPS} jump {MARK_MASQ}"])
+        + ["jump masquerading"],
         MARK_MASQ: [f"mark set mark or {mark}"],
         "masquerading": [f"mark and {mark} == 0 return", f"mark set mark xor {mark}",
                          "masquerade fully-random" if b.masquerade_random_fully else "masquerade"],
@@ -425,8 +438,8 @@ def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig) -> str:
             elements.setdefault(where, []).extend(elems)
     for where in sorted(elements):
         elems = elements[where]
-        if where == CLUSTER_IPS:
-            elems = sorted(set(elems))  # several ports share one cluster IP
+        if where in SHARED_ELEMENT_SETS:
+            elems = sorted(set(elems))  # added by several services
         lines.extend(elements_text(head, "add", where, elems))
     return "\n".join(lines) + "\n"
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .compile import ServiceNft, elements_text
+from .compile import SHARED_ELEMENT_SETS, ServiceNft, elements_text
+
+Refs = Dict[str, Dict[str, int]]  # shared set -> element -> how many services add it
 
 
 @dataclass
@@ -23,11 +25,26 @@ class Plan:
     text: str = ""
     changes: List[str] = field(default_factory=list)  # one line per object touched
     rules_written: int = 0
+    refs: Refs = field(default_factory=dict)  # the element counts once this plan is applied
 
 
-def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str, Optional[ServiceNft]]) -> Plan:
+def count_refs(compiled: Dict[str, ServiceNft]) -> Refs:
+    refs: Refs = {}
+    for svc in compiled.values():
+        for where in SHARED_ELEMENT_SETS:
+            counts = refs.setdefault(where, {})
+            for e in svc.elements.get(where, ()):
+                counts[e] = counts.get(e, 0) + 1
+    return refs
+
+
+def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str, Optional[ServiceNft]],
+                 refs: Optional[Refs] = None) -> Plan:
     """``old``/``new``: per changed service key, what the kernel has and what is wanted
-    (None: nothing). Returns the transaction ("" when nothing differs)."""
+    (None: nothing); ``refs``: count_refs() of what the kernel has (not changed here).
+    Returns the transaction ("" when nothing differs)."""
+    counts = {where: dict((refs or {}).get(where, {})) for where in SHARED_ELEMENT_SETS}
+    before_counts = {where: dict(c) for where, c in counts.items()}
     declare: List[str] = []
     delete_elems: Dict[str, List[str]] = {}
     add_elems: Dict[str, List[str]] = {}
@@ -49,6 +66,13 @@ def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str,
             before_set = set(before)
             gone = [e for e in before if e not in after_set]
             added = [e for e in after if e not in before_set]
+            if where in counts:
+                c = counts[where]
+                for e in gone:
+                    c[e] = c.get(e, 0) - 1
+                for e in added:
+                    c[e] = c.get(e, 0) + 1
+                continue
             if gone:
                 # A map element is deleted by its key alone.
                 delete_elems.setdefault(where, []).extend(e.split(" : ", 1)[0] for e in gone)
@@ -81,6 +105,17 @@ def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str,
             if name not in n.sets:
                 delete_gone.append(f"delete set {head} {name}")
                 changes.append(f"-set {name}")
+    for where, c in counts.items():
+        was = before_counts[where]
+        for e in sorted(c):
+            if c[e] > 0 and was.get(e, 0) <= 0:
+                add_elems.setdefault(where, []).append(e)
+                changes.append(f"+{where} {e}")
+            elif c[e] <= 0 and was.get(e, 0) > 0:
+                delete_elems.setdefault(where, []).append(e)
+                changes.append(f"-{where} {e}")
+        for e in [e for e, n in c.items() if n <= 0]:
+            del c[e]
     lines = list(declare)
     for where in sorted(delete_elems):
         lines.extend(elements_text(head, "delete", where, delete_elems[where]))
@@ -89,4 +124,4 @@ def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str,
         lines.extend(elements_text(head, "add", where, add_elems[where]))
     lines.extend(flush_gone)
     lines.extend(delete_gone)
-    return Plan("\n".join(lines) + "\n" if lines else "", changes, written)
+    return Plan("\n".join(lines) + "\n" if lines else "", changes, written, counts)

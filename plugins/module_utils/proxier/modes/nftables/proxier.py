@@ -12,6 +12,8 @@ table.
 Repair: ``check()``, run every second by the sync thread, reads one short base chain
 (``nat-prerouting``, which must hold ``jump services``): gone or emptied when someone
 deleted or flushed the table or the whole ruleset. The next sync is then a full one.
+A periodic full sync (``force_full``) rewrites the table only once per ``rewrite_period``
+(as upstream's hourly full sync); in between it runs that check and a partial sync.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ...kernel.nft import NftKernel
 from ...model import ValidationError
 from ...state import ProxyState
 from . import compile as nc
-from .plan import plan_partial
+from .plan import Refs, count_refs, plan_partial
 
 CANARY_CHAIN = "nat-prerouting"
 CANARY_RULE = "jump services"
@@ -58,6 +60,12 @@ class NftablesProxier:
         self.pending_repair = ""
         self.rejected: Dict[str, str] = {}
         self._counts: Dict[str, int] = {}
+        self._refs: Refs = {}  # shared-set elements the kernel has, counted by service
+        # Longest time between two whole-table rewrites (upstream's hourly full sync). A
+        # periodic full sync within it checks the canary and, when intact, syncs partially:
+        # a rewrite costs seconds at 10,000 services.
+        self.rewrite_period = 3600.0
+        self._last_rewrite = float("-inf")
 
     @property
     def head(self) -> str:
@@ -81,6 +89,9 @@ class NftablesProxier:
         changed = self.state.take_changes()
         if self.cfg != self._applied_cfg:
             self.need_full = True
+        if force_full and not self.need_full and not self.pending_repair \
+                and time.monotonic() - self._last_rewrite < self.rewrite_period and not self.check():
+            force_full = False  # periodic resync: the table is intact, no rewrite is due yet
         full = force_full or self.need_full or bool(self.pending_repair)
         self.last_attempt_full = full
         repair = self.pending_repair
@@ -115,7 +126,9 @@ class NftablesProxier:
         self.kernel.apply(script)
         apply_s = time.monotonic() - t
         self.applied = compiled
+        self._refs = count_refs(compiled)
         self._applied_cfg = self.cfg
+        self._last_rewrite = time.monotonic()
         self._recount()
         return self._result(True, self._counts.get("rules", 0), ["table replaced"], compile_s, apply_s, start)
 
@@ -126,12 +139,13 @@ class NftablesProxier:
             before = self.applied.get(key)
             old[key] = before
             new[key] = self._compile(key, before)
-        p = plan_partial(self.head, old, new)
+        p = plan_partial(self.head, old, new, self._refs)
         compile_s = time.monotonic() - start
         t = time.monotonic()
         if p.text:
             self.kernel.apply(p.text)
         apply_s = time.monotonic() - t
+        self._refs = p.refs
         for key, svc in new.items():
             before = old[key]
             if before is not None:
