@@ -96,10 +96,12 @@ def one_change_times(state: ProxyState, proxier, n: int, changes: int, applies: 
 
 
 def design_config(design: str) -> nc.NftablesConfig:
-    """"chained", "vmap" (upstream's), "inline" (chained, no endpoint-* chains)."""
+    """"inline" (the default: chained numgen rules, no endpoint-* chains), "chained"
+    (upstream's endpoint-* chains, chained numgen rules), "vmap" (upstream's layout and
+    anonymous numgen vmaps)."""
     if design == "inline":
         return nc.NftablesConfig(base=BASE, endpoint_chains=False)
-    return nc.NftablesConfig(base=BASE, endpoint_selection=design)
+    return nc.NftablesConfig(base=BASE, endpoint_selection=design, endpoint_chains=True)
 
 
 def bench_nft(n: int, design: str, changes: int) -> Dict[str, float]:

@@ -345,8 +345,8 @@ def test_hostile_name_never_reaches_nft_text(cluster):
     assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
 
 
-@pytest.mark.parametrize("selection", ["chained", "vmap"])
-def test_compiled_text_of_every_feature_passes_nft_check(lab, selection):
+@pytest.mark.parametrize("selection,endpoint_chains", [("chained", False), ("chained", True), ("vmap", True)])
+def test_compiled_text_of_every_feature_passes_nft_check(lab, selection, endpoint_chains):
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
         Endpoint,
         ServicePort,
@@ -366,8 +366,8 @@ def test_compiled_text_of_every_feature_passes_nft_check(lab, selection):
     ]
     base = IptablesConfig(local_mode="InterfaceNamePrefix", local_interface="cali", node_port_match_all=False,
                           node_port_ips=("192.168.50.1",), masquerade_random_fully=True, node_ips=("192.168.50.1",))
-    for cfg in (nc.NftablesConfig(base=IptablesConfig(local_cidrs=("10.244.0.0/16",)), endpoint_selection=selection),
-                nc.NftablesConfig(base=base, endpoint_selection=selection)):
+    for b in (IptablesConfig(local_cidrs=("10.244.0.0/16",)), base):
+        cfg = nc.NftablesConfig(base=b, endpoint_selection=selection, endpoint_chains=endpoint_chains)
         compiled = {f"ns1/{sp.name.name}": nc.compile_service([sp], {sp.name: eps_}, cfg) for sp in ports}
         compiled["ns1/none"] = nc.compile_service(
             [ServicePort(ServicePortName("ns1", "none", "", "TCP"), "10.96.0.4", 80, "TCP", node_port=30003)], {}, cfg)
