@@ -19,6 +19,7 @@ backends/checked.py: an unwritable field raises model.ValidationError naming it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
@@ -42,6 +43,11 @@ FIREWALL_IPS = "firewall-ips"
 CLUSTER_IPS = "cluster-ips"
 NODEPORT_IPS = "nodeport-ips"
 MARK_MASQ = "mark-for-masquerade"
+# Not upstream's: one element that a `flush table`, `flush ruleset` or `delete table` takes
+# away; listing this one set costs milliseconds at any table size (a chain listing makes
+# nft fetch every set's elements: 1.4 s at 10,000 services).
+CANARY_SET = "canary"
+CANARY_ELEMENT = "1"
 HAIRPIN_IPS = "hairpin-ips"  # not upstream's: inlined endpoints only (see _compile_port)
 # Sets whose elements several services may add (an endpoint IP serves many services): the
 # planner counts them and deletes an element when its last service lets go of it.
@@ -133,6 +139,7 @@ def _net(cidr: str) -> str:
     return str(ipaddress.ip_network(cidr, strict=False))
 
 
+@functools.lru_cache(maxsize=16)  # asked for on every port; the config rarely changes
 def local_match(cfg: NftablesConfig, negate: bool) -> str:
     """Upstream's LocalTrafficDetector as nft text ("" when not configured)."""
     base = cfg.base
@@ -337,6 +344,7 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
         SERVICE_IPS: f"type {addr_type} . inet_proto . inet_service : verdict ; "
                      'comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ;',
         SERVICE_NODEPORTS: 'type inet_proto . inet_service : verdict ; comment "NodePort traffic" ;',
+        CANARY_SET: 'type inet_service ; comment "kubenode-proxy: gone or empty when the table was flushed" ;',
     }
     if not cfg.endpoint_chains:
         sets[HAIRPIN_IPS] = f'type {addr_type} . {addr_type} ; comment "endpoint IP . endpoint IP: hairpin traffic" ;'
@@ -383,7 +391,7 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
         "firewall-check": [f"{af} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}"],
         REJECT_CHAIN: ["reject"],
     }
-    elements: Dict[str, List[str]] = {}
+    elements: Dict[str, List[str]] = {CANARY_SET: [CANARY_ELEMENT]}
     if not b.node_port_match_all:
         ips = [text.ip(ip, "nodePortAddresses") for ip in b.node_port_ips if (":" in ip) == (af == "ip6")]
         elements[NODEPORT_IPS] = [ip for ip in ips if not ipaddress.ip_address(ip).is_loopback]

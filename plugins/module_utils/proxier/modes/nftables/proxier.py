@@ -9,9 +9,10 @@ maps, the changed service chains, new and stale per-service objects. Nothing is 
 that path. Any failure makes the next sync a full one; the kernel keeps the previous
 table.
 
-Repair: ``check()``, run every second by the sync thread, reads one short base chain
-(``nat-prerouting``, which must hold ``jump services``): gone or emptied when someone
-deleted or flushed the table or the whole ruleset. The next sync is then a full one.
+Repair: ``check()``, run every second by the sync thread, lists the one-element
+``canary`` set (milliseconds at any size): gone or empty when someone deleted or flushed
+the table or the whole ruleset. The next sync is then a full one. A flush of one of our
+chains alone is repaired by the hourly rewrite.
 A periodic full sync (``force_full``) rewrites the table only once per ``rewrite_period``
 (as upstream's hourly full sync); in between it runs that check and a partial sync.
 """
@@ -27,9 +28,6 @@ from ...model import ValidationError
 from ...state import ProxyState
 from . import compile as nc
 from .plan import Refs, count_refs, plan_partial
-
-CANARY_CHAIN = "nat-prerouting"
-CANARY_RULE = "jump services"
 
 
 def nftables_config(cfg: Any, state: ProxyState, netns: str, family: str = "ip") -> nc.NftablesConfig:
@@ -176,11 +174,11 @@ class NftablesProxier:
         base chain is gone or lost its rule) and the next sync must repair it."""
         if self.need_full or self._applied_cfg is None:
             return False  # a full sync is due anyway
-        rules = self.kernel.chain_rules(self.cfg.family, nc.TABLE, CANARY_CHAIN)
-        if rules is not None and CANARY_RULE in rules:
+        elements = self.kernel.set_elements(self.cfg.family, nc.TABLE, nc.CANARY_SET)
+        if elements is not None and nc.CANARY_ELEMENT in elements:
             return False
-        self.pending_repair = (f"table {self.head} is gone" if rules is None
-                               else f"chain {CANARY_CHAIN} lost its '{CANARY_RULE}' rule")
+        self.pending_repair = (f"set {self.head} {nc.CANARY_SET} is gone (table deleted?)" if elements is None
+                               else f"set {self.head} {nc.CANARY_SET} is empty (table flushed?)")
         return True
 
     def cleanup(self) -> int:
