@@ -397,3 +397,29 @@ def test_periodic_full_sync_checks_then_syncs_partially_until_a_rewrite_is_due(c
     proxy.proxier.rewrite_period = 0
     assert proxy.sync(force_full=True).full
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+
+
+def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(cluster, tmp_path):
+    import signal
+    import sys
+
+    from proxyctl import BIN, wait_for
+
+    manifests = tmp_path / "daemon-manifests"
+    write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    log = tmp_path / "daemon.log"
+    proc = cluster.spawn("node", [sys.executable, str(BIN), *MODE, "--manifests", str(manifests),
+                                  "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
+                                  "--nodeport-addresses", "192.168.50.0/24"], stdout=log)
+    try:
+        wait_for(lambda: "10.96.0.10" in nft_table(cluster.ns("node")), what="the first sync")
+        assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+        write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be2"]], HTTP_EP)])
+        wait_for(lambda: "10.244.1.1" not in nft_table(cluster.ns("node")), what="the endpoint change")
+        assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+        text = log.read_text()
+        assert "nftables mode" in text and "partial sync" in text, text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    assert nft_table(cluster.ns("node"))  # rules stay in place after SIGTERM, as upstream

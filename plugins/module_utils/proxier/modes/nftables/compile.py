@@ -74,6 +74,11 @@ class NftablesConfig:
     def mark(self) -> str:
         return self.base.mark
 
+    @property
+    def node_port_ips(self) -> Tuple[str, ...]:
+        """As IptablesConfig's (the daemon binds health check node ports to them)."""
+        return self.base.node_port_ips
+
 
 @dataclass
 class ServiceNft:
