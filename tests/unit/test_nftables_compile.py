@@ -12,7 +12,11 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model impor
     ValidationError,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables import compile as nc
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.plan import count_refs, plan_partial
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.plan import (
+    apply_refs,
+    count_refs,
+    plan_partial,
+)
 
 CFG = nc.NftablesConfig(base=IptablesConfig(local_cidrs=("10.0.0.0/8",), node_ips=("192.168.0.2",),
                                             localhost_nodeports=False), endpoint_chains=True)  # upstream's layout
@@ -122,12 +126,15 @@ def test_shared_set_elements_are_counted_across_services():
     p = plan_partial("ip kube-proxy", {"a": applied["a"]}, {"a": one(a, [EP2], cfg)}, refs)
     assert "delete element ip kube-proxy hairpin-ips { 10.180.0.1 . 10.180.0.1 }" not in p.text
     assert "add element ip kube-proxy hairpin-ips { 10.180.0.2 . 10.180.0.2 }" in p.text
-    assert p.refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 1, "10.180.0.2 . 10.180.0.2": 1}
+    assert refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 2}  # the input is not changed
+    apply_refs(refs, p.ref_delta)
+    assert refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 1, "10.180.0.2 . 10.180.0.2": 1}
     # The last one goes too: now it is deleted.
-    p2 = plan_partial("ip kube-proxy", {"b": applied["b"]}, {"b": None}, p.refs)
+    p2 = plan_partial("ip kube-proxy", {"b": applied["b"]}, {"b": None}, refs)
     assert "delete element ip kube-proxy hairpin-ips { 10.180.0.1 . 10.180.0.1 }" in p2.text
     assert "delete element ip kube-proxy cluster-ips { 172.30.0.42 }" in p2.text
-    assert refs["hairpin-ips"] == {"10.180.0.1 . 10.180.0.1": 2}  # the input is not changed
+    apply_refs(refs, p2.ref_delta)
+    assert refs["hairpin-ips"] == {"10.180.0.2 . 10.180.0.2": 1}
 
 
 @pytest.mark.parametrize("port_name", ['a"b', "a b", "a;b", "a\nb", "ä", "a}b", "a{b", "a#b"])

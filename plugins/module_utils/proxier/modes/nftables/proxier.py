@@ -27,7 +27,7 @@ from ...kernel.nft import NftKernel
 from ...model import ValidationError
 from ...state import ProxyState
 from . import compile as nc
-from .plan import Refs, count_refs, plan_partial
+from .plan import Refs, apply_refs, count_refs, plan_partial
 
 
 def nftables_config(cfg: Any, state: ProxyState, netns: str, family: str = "ip") -> nc.NftablesConfig:
@@ -143,7 +143,7 @@ class NftablesProxier:
         if p.text:
             self.kernel.apply(p.text)
         apply_s = time.monotonic() - t
-        self._refs = p.refs
+        apply_refs(self._refs, p.ref_delta)
         for key, svc in new.items():
             before = old[key]
             if before is not None:
