@@ -399,27 +399,52 @@ def test_periodic_full_sync_checks_then_syncs_partially_until_a_rewrite_is_due(c
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
 
 
-def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(cluster, tmp_path):
+@pytest.fixture
+def nft_daemon(cluster, tmp_path):
+    """kubenode-proxy --proxy-mode nftables as a daemon in the node, following a manifests
+    directory (``cluster.manifests``, log ``cluster.log``); SIGTERM after the test."""
     import signal
     import sys
 
-    from proxyctl import BIN, wait_for
+    from proxyctl import BIN
 
-    manifests = tmp_path / "daemon-manifests"
-    write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
-    log = tmp_path / "daemon.log"
-    proc = cluster.spawn("node", [sys.executable, str(BIN), *MODE, "--manifests", str(manifests),
+    cluster.manifests = tmp_path / "daemon-manifests"
+    write_manifests(cluster.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    cluster.log = tmp_path / "daemon.log"
+    proc = cluster.spawn("node", [sys.executable, str(BIN), *MODE, "--manifests", str(cluster.manifests),
                                   "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
-                                  "--nodeport-addresses", "192.168.50.0/24"], stdout=log)
+                                  "--nodeport-addresses", "192.168.50.0/24"], stdout=cluster.log)
     try:
-        wait_for(lambda: "10.96.0.10" in nft_table(cluster.ns("node")), what="the first sync")
-        assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
-        write_manifests(manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be2"]], HTTP_EP)])
-        wait_for(lambda: "10.244.1.1" not in nft_table(cluster.ns("node")), what="the endpoint change")
-        assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
-        text = log.read_text()
-        assert "nftables mode" in text and "partial sync" in text, text
+        yield cluster
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
-    assert nft_table(cluster.ns("node"))  # rules stay in place after SIGTERM, as upstream
+
+
+def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(nft_daemon):
+    from proxyctl import wait_for
+
+    lab = nft_daemon
+    wait_for(lambda: "10.96.0.10" in nft_table(lab.ns("node")), what="the first sync")
+    assert set(backends(lab.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+    write_manifests(lab.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be2"]], HTTP_EP)])
+    wait_for(lambda: "10.244.1.1" not in nft_table(lab.ns("node")), what="the endpoint change")
+    assert backends(lab.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    text = lab.log.read_text()
+    assert "nftables mode" in text and "partial sync" in text, text
+
+
+def test_daemon_in_nftables_mode_removes_a_stale_udp_flow(nft_daemon):
+    from proxyctl import wait_for
+    from test_conntrack_cleanup import send  # one datagram from a fixed source port
+
+    lab = nft_daemon
+    dns = [{"name": "dns", "port": 53, "protocol": "UDP"}]
+    dns_ep = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
+    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [BACKENDS["be1"]], dns_ep)])
+    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41001, timeout=0.5) == "be1")
+    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be1"  # the long-lived flow
+    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [BACKENDS["be2"]], dns_ep)])
+    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2")
+    # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
+    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be2"
