@@ -448,3 +448,26 @@ def test_daemon_in_nftables_mode_removes_a_stale_udp_flow(nft_daemon):
     wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2")
     # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
     assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be2"
+
+
+def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluster):
+    proxy = Proxy(cluster)
+    proxy.set(svc("a", "10.96.0.41", HTTP, externalIPs=["203.0.113.40"]), eps("a", [BACKENDS["be1"]], HTTP_EP),
+              svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be3"]], HTTP_EP))
+    proxy.sync()
+    # "b" claims a's external IP and port, in a partial sync: nft would refuse the whole
+    # transaction ("File exists"); the sync goes full and a (first by name) keeps it.
+    proxy.set(svc("b", "10.96.0.42", HTTP, externalIPs=["203.0.113.40"]), eps("b", [BACKENDS["be2"]], HTTP_EP))
+    result = proxy.sync()
+    assert result.full and "already used by Service default/a" in result.rejected["default/b"]
+    assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be1": 5})
+    assert backends(cluster.request_many("client", "10.96.0.42", 80, count=3)) == Counter({"be2": 3})
+    # Other changes still apply (partially) meanwhile.
+    proxy.set(eps("web", [BACKENDS["be1"]], HTTP_EP))
+    assert not proxy.sync().full
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be1": 3})
+    # a goes: b gets the address.
+    proxy.state.delete_service("default", "a")
+    result = proxy.sync()
+    assert result.full and not result.rejected
+    assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be2": 5})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...backends import checked
 from ...backends.iptables import IptablesConfig, _hash16
@@ -419,9 +419,55 @@ def elements_text(head: str, verb: str, where: str, elems: Sequence[str]) -> Lis
     return out
 
 
-def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig) -> str:
+def element_key(elem: str) -> str:
+    """A map element's key (a set element is its own key)."""
+    return elem.split(" : ", 1)[0]
+
+
+@dataclass
+class Ownership:
+    """Which service's element holds each key of the shared maps and sets. Two services
+    claiming one key (the same external IP and port, an external IP that is another's
+    cluster IP) would make nft refuse the whole transaction ("File exists"): the first
+    service in name order keeps the key, the other is named in ``conflicts``."""
+
+    owners: Dict[Tuple[str, str], str] = field(default_factory=dict)  # (map, key) -> service
+    conflicts: Dict[str, str] = field(default_factory=dict)  # service -> why part of it is left out
+    wanted_by_losers: Dict[Tuple[str, str], str] = field(default_factory=dict)  # (map, key) -> loser
+
+
+def resolve(compiled: Dict[str, ServiceNft]) -> Tuple[Dict[str, List[str]], Ownership]:
+    """Every service's elements by map or set, one per key (SHARED_ELEMENT_SETS are
+    shared on purpose: deduplicated, not owned)."""
+    own = Ownership()
+    elements: Dict[str, List[str]] = {}
+    shared: Dict[str, set] = {}
+    for key in sorted(compiled):
+        for where, elems in compiled[key].elements.items():
+            if where in SHARED_ELEMENT_SETS:
+                shared.setdefault(where, set()).update(elems)
+                continue
+            out = elements.setdefault(where, [])
+            for e in elems:
+                k = (where, element_key(e))
+                owner = own.owners.get(k)
+                if owner is None:
+                    own.owners[k] = key
+                    out.append(e)
+                elif owner != key:
+                    own.wanted_by_losers[k] = key
+                    own.conflicts[key] = (f"Service {key}: {where} {k[1]} is already used by Service {owner}; "
+                                          "that part of it is not programmed")
+    for where, elems in shared.items():
+        elements[where] = sorted(elems)
+    return elements, own
+
+
+def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig,
+                resolved: Optional[Tuple[Dict[str, List[str]], Ownership]] = None) -> str:
     """The whole table as one ``nft -f`` transaction that replaces what is there (the
-    ``add`` before the ``delete`` makes the delete valid on a node without the table)."""
+    ``add`` before the ``delete`` makes the delete valid on a node without the table).
+    ``resolved``: resolve(compiled), when the caller has it already."""
     head = table_head(cfg)
     infra = infrastructure(cfg)
     lines = [f"add table {head}", f"delete table {head}",
@@ -441,19 +487,15 @@ def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig) -> str:
     for name, rules in infra.rules.items():
         for r in rules:
             lines.append(f"add rule {head} {name} {r}")
-    elements: Dict[str, List[str]] = {k: list(v) for k, v in infra.elements.items()}
     for key in keys:
-        svc = compiled[key]
-        for name, rules in svc.chains.items():
+        for name, rules in compiled[key].chains.items():
             for r in rules:
                 lines.append(f"add rule {head} {name} {r}")
-        for where, elems in svc.elements.items():
-            elements.setdefault(where, []).extend(elems)
+    elements = dict((resolved or resolve(compiled))[0])
+    for where, elems in infra.elements.items():
+        elements[where] = list(elems) + elements.get(where, [])
     for where in sorted(elements):
-        elems = elements[where]
-        if where in SHARED_ELEMENT_SETS:
-            elems = sorted(set(elems))  # added by several services
-        lines.extend(elements_text(head, "add", where, elems))
+        lines.extend(elements_text(head, "add", where, elements[where]))
     return "\n".join(lines) + "\n"
 
 

@@ -59,6 +59,7 @@ class NftablesProxier:
         self.rejected: Dict[str, str] = {}
         self._counts: Dict[str, int] = {}
         self._refs: Refs = {}  # shared-set elements the kernel has, counted by service
+        self._own = nc.Ownership()  # which service holds each map key (conflicts left out)
         # Longest time between two whole-table rewrites (upstream's hourly full sync). A
         # periodic full sync within it checks the canary and, when intact, syncs partially:
         # a rewrite costs seconds at 10,000 services.
@@ -103,7 +104,7 @@ class NftablesProxier:
         self.need_full = False
         self.pending_repair = ""
         result.changed = changed
-        result.rejected = dict(self.rejected)
+        result.rejected = {**self._own.conflicts, **self.rejected}
         result.repair = repair
         return result
 
@@ -118,13 +119,15 @@ class NftablesProxier:
             out = self._compile(key, old)
             if out is not None:
                 compiled[key] = out
-        script = nc.render_full(compiled, self.cfg)
+        resolved = nc.resolve(compiled)
+        script = nc.render_full(compiled, self.cfg, resolved)
         compile_s = time.monotonic() - start
         t = time.monotonic()
         self.kernel.apply(script)
         apply_s = time.monotonic() - t
         self.applied = compiled
         self._refs = count_refs(compiled)
+        self._own = resolved[1]
         self._applied_cfg = self.cfg
         self._last_rewrite = time.monotonic()
         self._recount()
@@ -137,6 +140,10 @@ class NftablesProxier:
             before = self.applied.get(key)
             old[key] = before
             new[key] = self._compile(key, before)
+        if self._contested(new):
+            # Two services claim one map key: only a full sync decides who holds it.
+            self.last_attempt_full = True
+            return self._full(changed, start)
         p = plan_partial(self.head, old, new, self._refs)
         compile_s = time.monotonic() - start
         t = time.monotonic()
@@ -144,6 +151,7 @@ class NftablesProxier:
             self.kernel.apply(p.text)
         apply_s = time.monotonic() - t
         apply_refs(self._refs, p.ref_delta)
+        self._update_owners(old, new)
         for key, svc in new.items():
             before = old[key]
             if before is not None:
@@ -154,6 +162,39 @@ class NftablesProxier:
                 self.applied[key] = svc
                 _count(self._counts, svc, 1)
         return self._result(False, p.rules_written, p.changes, compile_s, apply_s, start)
+
+    def _contested(self, new: Dict[str, Optional[nc.ServiceNft]]) -> bool:
+        """A changed service lost a key to another, holds a key another wants, or now
+        wants a key another holds."""
+        own = self._own
+        if any(key in own.conflicts for key in new):
+            return True
+        if own.wanted_by_losers and any(own.owners.get(k) in new for k in own.wanted_by_losers):
+            return True
+        for key, svc in new.items():
+            for where, elems in (svc.elements.items() if svc else ()):
+                if where in nc.SHARED_ELEMENT_SETS:
+                    continue
+                for e in elems:
+                    owner = own.owners.get((where, nc.element_key(e)))
+                    if owner is not None and owner != key:
+                        return True
+        return False
+
+    def _update_owners(self, old: Dict[str, Optional[nc.ServiceNft]],
+                       new: Dict[str, Optional[nc.ServiceNft]]) -> None:
+        owners = self._own.owners
+        for key, svc in old.items():
+            for where, elems in (svc.elements.items() if svc else ()):
+                for e in elems:
+                    k = (where, nc.element_key(e))
+                    if owners.get(k) == key:
+                        del owners[k]
+        for key, svc in new.items():
+            for where, elems in (svc.elements.items() if svc else ()):
+                if where not in nc.SHARED_ELEMENT_SETS:
+                    for e in elems:
+                        owners[(where, nc.element_key(e))] = key
 
     def _recount(self) -> None:
         self._counts = {}
