@@ -186,3 +186,15 @@ def test_partial_plan_moves_a_key_between_maps():
     assert "delete element ip kube-proxy service-ips { 172.30.0.41 . tcp . 80 }" in lines
     assert "add element ip kube-proxy no-endpoint-services { 172.30.0.41 . tcp . 80 : goto reject-chain }" in lines
     assert lines[-2:] == [f"delete chain ip kube-proxy {S1}", f"delete chain ip kube-proxy {E1}"]
+
+
+def test_resolve_keeps_one_element_per_key_and_names_the_loser():
+    a = ServicePort(ServicePortName("ns1", "a", "", "TCP"), "172.30.0.1", 80, "TCP", external_ips=("1.2.3.4",))
+    b = ServicePort(ServicePortName("ns1", "b", "", "TCP"), "172.30.0.2", 80, "TCP", external_ips=("1.2.3.4",))
+    compiled = {"ns1/b": one(b, [EP2]), "ns1/a": one(a, [EP1])}
+    elements, own = nc.resolve(compiled)
+    ext = [e for e in elements["service-ips"] if e.startswith("1.2.3.4 ")]
+    assert len(ext) == 1 and "ns1/a/" in ext[0]
+    assert own.owners[("service-ips", "1.2.3.4 . tcp . 80")] == "ns1/a"
+    assert list(own.conflicts) == ["ns1/b"] and "already used by Service ns1/a" in own.conflicts["ns1/b"]
+    assert nc.render_full(compiled, CFG).count("1.2.3.4 . tcp . 80 :") == 1
