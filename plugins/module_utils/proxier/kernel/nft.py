@@ -11,9 +11,8 @@ these nodes, and the cost of a large load is the kernel's and nft's parser eithe
 
 from __future__ import annotations
 
-import json
 import subprocess
-from typing import Callable, List, Optional, Set
+from typing import Callable, List, Optional
 
 
 class NftError(RuntimeError):
@@ -61,37 +60,6 @@ class NftKernel:
             if line.startswith("elements = {"):
                 out.extend(e.strip() for e in line[len("elements = {"):].rstrip("}").split(",") if e.strip())
         return out
-
-    def chain_rules(self, family: str, table: str, chain: str) -> Optional[List[str]]:
-        """The rules of one chain as ``nft list chain`` prints them, or None when the chain
-        (or table) is not there. Not for the hot path: nft fetches every set's elements for
-        it (1.4 s at 10,000 services)."""
-        proc = self._run(self._argv("list", "chain", family, table, chain), capture_output=True, text=True,
-                         check=False)
-        if proc.returncode != 0:
-            return None
-        lines = [line.strip() for line in proc.stdout.splitlines()]
-        body = [line for line in lines if line and not line.startswith(("table ", "chain ", "type ", "}", "comment "))]
-        return body
-
-    def list_chains(self, family: str, table: str) -> Optional[Set[str]]:
-        """Every chain name of the table (JSON listing, no rules), or None without the table."""
-        proc = self._run(self._argv("-j", "list", "chains", family), capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            return None
-        out: Set[str] = set()
-        for item in json.loads(proc.stdout or "{}").get("nftables", []):
-            chain = item.get("chain")
-            if chain and chain.get("table") == table and chain.get("family") == family:
-                out.add(chain["name"])
-        return out
-
-    def list_table(self, family: str, table: str) -> str:
-        """The whole table (tests and debugging; never on the sync path)."""
-        proc = self._run(self._argv("list", "table", family, table), capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise NftError(f"nft list table {family} {table} failed: {_first_lines(proc.stderr)}")
-        return proc.stdout
 
 
 def _first_lines(text: str, n: int = 6) -> str:
