@@ -414,11 +414,13 @@ def nft_daemon(cluster, tmp_path):
     proc = cluster.spawn("node", [sys.executable, str(BIN), *MODE, "--manifests", str(cluster.manifests),
                                   "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
                                   "--nodeport-addresses", "192.168.50.0/24"], stdout=cluster.log)
+    cluster.daemon = proc
     try:
         yield cluster
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
 
 
 def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(nft_daemon):
@@ -432,6 +434,11 @@ def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(nft_d
     assert backends(lab.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
     text = lab.log.read_text()
     assert "nftables mode" in text and "partial sync" in text, text
+    import signal
+
+    lab.daemon.send_signal(signal.SIGTERM)
+    assert lab.daemon.wait(10) == 0
+    assert backends(lab.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be2": 3})  # rules stay
 
 
 def test_daemon_in_nftables_mode_removes_a_stale_udp_flow(nft_daemon):
