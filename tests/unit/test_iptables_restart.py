@@ -7,18 +7,18 @@ import stat
 
 import pytest
 
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt
-from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (
-    IptablesProxier,
-    chain_digest,
-    record_path,
-)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
     APPLIED_MARK,
     CANARY_CHAIN,
     Snapshot,
 )
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables import compile as ipt
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.proxier import (
+    IptablesProxier,
+    chain_digest,
+    record_path,
+)
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
 from .helpers import endpoint, endpoint_slice, port, service, slice_port

@@ -16,7 +16,8 @@ provider.Proxier) and one line in ``REGISTRY`` naming its hooks:
 - ``proxier``: a class whose ``create(state, mode_cfg, ctx)`` builds it (provider.ProxierBase
   gives ``cls(state, mode_cfg, netns=ctx.netns)``);
 - ``cleanup``: removes what the mode leaves in the kernel and returns how many objects
-  went; called with the Context when the mode writes iptables rules, else with the netns.
+  went; called with the Context (``leftovers_only``: the mode is not the configured one,
+  and a missing tool means it never ran here).
 """
 
 from __future__ import annotations
@@ -60,11 +61,10 @@ class Mode:
     module: str  # under modes/, imported on first use
     proxier: str  # class name (provider.Proxier)
     config: str  # function name: (cfg, ipt_cfg, netns) -> the mode's compiler config
-    cleanup: str  # function name: (ctx) -> int, or (netns) -> int when uses_iptables is False
+    cleanup: str  # function name: (ctx: Context) -> int
     # The configuration section whose syncPeriod/minSyncPeriod replace the proxy's in this
     # mode (and whose --<section>-sync-period flags apply), "" for none.
     sync_section: str = ""
-    uses_iptables: bool = True  # writes iptables rules (IPVS mode does, for masquerading)
 
     def _hook(self, attr: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{self.module}"), getattr(self, attr))
@@ -83,13 +83,13 @@ class Mode:
 
     def clean(self, ctx: Context) -> int:
         fn = self._hook("cleanup")
-        return fn(ctx) if self.uses_iptables else fn(ctx.netns)
+        return fn(ctx)
 
 
 REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("iptables", "iptables.proxier", "IptablesProxier", "iptables_mode_config", "cleanup_iptables"),
     Mode("ipvs", "ipvs.proxier", "IpvsProxier", "ipvs_config", "cleanup_ipvs", sync_section="ipvs"),
-    # Mode("nftables", "nftables", "NftablesProxier", "nftables_config", "cleanup_nftables", uses_iptables=False),
+    Mode("nftables", "nftables.proxier", "NftablesProxier", "nftables_config", "cleanup_nftables"),
 )}
 
 

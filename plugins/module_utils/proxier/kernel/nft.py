@@ -1,0 +1,72 @@
+# Copyright (c) kubenode.proxy contributors
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Kernel I/O for nftables mode: ``nft -f -`` (one transaction: the kernel applies the
+whole input or nothing), and the few cheap reads the proxier needs. Imports nothing
+above kernel/.
+
+``nft`` rather than libnftables (python3-nftables): the binding is not installed on
+these nodes, and the cost of a large load is the kernel's and nft's parser either way
+(docs/nftables.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Callable, List, Optional
+
+from ..errors import KernelError, Unavailable
+
+
+class NftError(KernelError):
+    """nft refused its input or could not run; nothing of that input was applied."""
+
+
+class NftKernel:
+    """Runs ``nft``, optionally inside a network namespace (``ip netns exec``)."""
+
+    def __init__(self, netns: str = "", binary: str = "nft", runner: Callable = subprocess.run,
+                 timeout: float = 300.0) -> None:
+        self.prefix: List[str] = ["ip", "netns", "exec", netns] if netns else []
+        self.binary = binary
+        self._run = runner
+        self.timeout = timeout
+
+    def _argv(self, *args: str) -> List[str]:
+        return self.prefix + [self.binary, *args]
+
+    def apply(self, script: str, check_only: bool = False) -> None:
+        """One ``nft -f -`` transaction (``-c``: parse and check against the kernel, apply
+        nothing). Raises NftError with nft's message."""
+        argv = self._argv(*(["-c"] if check_only else []), "-f", "-")
+        try:
+            proc = self._run(argv, input=script, capture_output=True, text=True, check=False, timeout=self.timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NftError(f"nft -f failed to run: {e}") from None
+        if proc.returncode != 0:
+            raise NftError(f"nft -f failed ({proc.returncode}): {_first_lines(proc.stderr)}")
+
+    def table_exists(self, family: str, table: str) -> bool:
+        try:
+            proc = self._run(self._argv("list", "tables", family), capture_output=True, text=True, check=False)
+        except FileNotFoundError as e:
+            raise Unavailable(f"nft is not installed: {e}") from None
+        return proc.returncode == 0 and f"table {family} {table}" in proc.stdout.splitlines()
+
+    def set_elements(self, family: str, table: str, name: str) -> Optional[List[str]]:
+        """The elements of one small set as nft prints them, or None when the set (or the
+        table) is not there. nft fetches only that set: milliseconds at any table size."""
+        proc = self._run(self._argv("-n", "list", "set", family, table, name), capture_output=True, text=True,
+                         check=False)
+        if proc.returncode != 0:
+            return None
+        out: List[str] = []
+        for line in proc.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("elements = {"):
+                out.extend(e.strip() for e in line[len("elements = {"):].rstrip("}").split(",") if e.strip())
+        return out
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[:n]) + (f"\n(+{len(lines) - n} more lines)" if len(lines) > n else "")

@@ -1,0 +1,480 @@
+"""nftables mode on the real kernel: real TCP/UDP connections through service IPs.
+
+The scenarios of test_iptables_traffic.py, in nftables mode: ``kubenode-proxy --once
+--proxy-mode nftables`` (a full sync per apply), plus in-process tests of what only a
+running proxier does: a partial sync, the canary check and repair, cleanup, and a hostile
+name that must never reach nft text. Topology: tests/integration/lab.py.
+"""
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+
+import pytest
+from proxyctl import eps, run_proxy, svc, tcp, write_manifests
+
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.nft import NftKernel
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
+    parse_endpoint_slice,
+    parse_service,
+)
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.compile import NftablesConfig
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.proxier import NftablesProxier
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
+
+TRIES = 40  # with 3 backends, P(one backend never chosen) = 3 * (2/3)^40 < 1e-6
+CLIENT_IP = "10.244.2.10"
+EXT_IP = "192.168.50.2"
+EXT2_IP = "192.168.50.3"
+BACKENDS = {"be1": "10.244.1.1", "be2": "10.244.1.2", "be3": "10.244.1.3"}
+HTTP = [tcp(80, "http")]
+HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+MODE = ("--proxy-mode", "nftables")
+# The default layout (endpoints inlined into service chains) and upstream's endpoint-* chains.
+LAYOUTS = pytest.mark.parametrize("endpoint_chains", [False, True], ids=["inlined", "endpoint-chains"])
+
+
+def nft_table(netns: str) -> str:
+    proc = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "table", "ip", "kube-proxy"],
+                          capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+@pytest.fixture
+def cluster(lab, tmp_path):
+    for name, ip in BACKENDS.items():
+        lab.add_pod(name, ip)
+    lab.add_client("client", CLIENT_IP)
+    lab.add_external("ext", EXT_IP)
+    lab.add_external("ext2", EXT2_IP)
+    node = lab.ns("node")
+    manifests = tmp_path / "manifests"
+
+    def apply(objects, *args):
+        write_manifests(manifests, objects)
+        return run_proxy(node, "--once", *MODE, *args, manifests=manifests)
+
+    lab.apply = apply
+    return lab
+
+
+def backends(replies):
+    assert all(r.ok for r in replies), Counter(r.outcome for r in replies)
+    return Counter(r.backend for r in replies)
+
+
+def test_cluster_ip_tcp_reaches_every_backend_without_masquerade_from_pods(cluster):
+    cluster.apply([svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    assert "service-ips" in nft_table(cluster.ns("node"))
+    assert "KUBE-" not in subprocess.run(["ip", "netns", "exec", cluster.ns("node"), "iptables-save"],
+                                         capture_output=True, text=True, check=True).stdout
+    replies = cluster.request_many("client", "10.96.0.10", 80, count=TRIES)
+    assert set(backends(replies)) == set(BACKENDS)
+    assert {r.seen_client for r in replies} == {CLIENT_IP}  # pod source kept
+
+
+def test_cluster_ip_from_outside_the_cluster_cidr_is_masqueraded(cluster):
+    cluster.apply([svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    for origin in ("ext", "node"):
+        replies = cluster.request_many(origin, "10.96.0.10", 80, count=TRIES)
+        assert set(backends(replies)) == set(BACKENDS)
+        assert {r.seen_client for r in replies} == {cluster.node_ip}, origin
+
+
+def test_udp_cluster_ip(cluster):
+    dns = [tcp(53, "dns", protocol="UDP")]
+    cluster.apply([svc("dns", "10.96.0.53", dns),
+                   eps("dns", BACKENDS.values(), [{"name": "dns", "port": 5353, "protocol": "UDP"}])])
+    replies = cluster.request_many("client", "10.96.0.53", 53, proto="udp", count=TRIES)
+    assert set(backends(replies)) == set(BACKENDS)
+
+
+def test_service_without_endpoints_rejects(cluster):
+    cluster.apply([svc("empty", "10.96.0.20", [tcp(80, "http", node_port=30020)], type="NodePort",
+                       externalIPs=["203.0.113.20"])])
+    assert cluster.request("client", "10.96.0.20", 80, timeout=1).outcome == "refused"
+    assert cluster.request("node", "10.96.0.20", 80, timeout=1).outcome == "refused"
+    assert cluster.request("ext", "203.0.113.20", 80, timeout=1).outcome == "refused"
+    assert cluster.request("ext", cluster.node_ip, 30020, timeout=1).outcome == "refused"
+
+
+def test_nodeport_cluster_policy_masquerades_and_local_policy_keeps_source(cluster):
+    cluster.apply([
+        svc("np", "10.96.0.30", [tcp(80, "http", node_port=30080)], type="NodePort"),
+        eps("np", BACKENDS.values(), HTTP_EP),
+        svc("npl", "10.96.0.31", [tcp(80, "http", node_port=30081)], type="NodePort", externalTrafficPolicy="Local"),
+        eps("npl", [BACKENDS["be1"]], HTTP_EP, node="node1", name="npl-a"),
+        eps("npl", [BACKENDS["be2"]], HTTP_EP, node="node2", name="npl-b"),
+        svc("npn", "10.96.0.32", [tcp(80, "http", node_port=30082)], type="NodePort", externalTrafficPolicy="Local"),
+        eps("npn", [BACKENDS["be3"]], HTTP_EP, node="node2"),
+    ])
+    replies = cluster.request_many("ext", cluster.node_ip, 30080, count=TRIES)
+    assert set(backends(replies)) == set(BACKENDS)
+    assert {r.seen_client for r in replies} == {cluster.node_ip}
+    # Local: only the local endpoint, and the client's own address arrives.
+    replies = cluster.request_many("ext", cluster.node_ip, 30081, count=10)
+    assert backends(replies) == Counter({"be1": 10})
+    assert {r.seen_client for r in replies} == {EXT_IP}
+    # Local with no local endpoint: dropped (no REJECT, so the client times out).
+    assert cluster.request("ext", cluster.node_ip, 30082, timeout=1).outcome == "timeout"
+    # Pods still reach it through the cluster IP (internal policy is Cluster).
+    assert backends(cluster.request_many("client", "10.96.0.32", 80, count=3)) == Counter({"be3": 3})
+
+
+def test_no_localhost_nodeports_as_upstream(cluster):
+    cluster.apply([svc("np", "10.96.0.30", [tcp(80, "http", node_port=30080)], type="NodePort"),
+                   eps("np", [BACKENDS["be1"]], HTTP_EP)])
+    assert cluster.request("node", cluster.node_ip, 30080).backend == "be1"
+    assert not cluster.request("node", "127.0.0.1", 30080, timeout=1).ok
+
+
+def test_external_ips(cluster):
+    cluster.apply([svc("ext", "10.96.0.40", HTTP, externalIPs=["203.0.113.40"]),
+                   eps("ext", BACKENDS.values(), HTTP_EP)])
+    replies = cluster.request_many("ext", "203.0.113.40", 80, count=TRIES)
+    assert set(backends(replies)) == set(BACKENDS)
+    assert {r.seen_client for r in replies} == {cluster.node_ip}  # Cluster policy: masqueraded
+
+
+def test_load_balancer_source_ranges(cluster):
+    cluster.apply([svc("lb", "10.96.0.50", [tcp(80, "http", node_port=30050)], type="LoadBalancer",
+                       loadBalancerSourceRanges=[f"{EXT_IP}/32"],
+                       status={"loadBalancer": {"ingress": [{"ip": "198.51.100.50"}]}}),
+                   eps("lb", BACKENDS.values(), HTTP_EP)])
+    assert set(backends(cluster.request_many("ext", "198.51.100.50", 80, count=TRIES))) == set(BACKENDS)
+    assert cluster.request("ext2", "198.51.100.50", 80, timeout=1).outcome == "timeout"
+    # NodePorts are not subject to source ranges (as upstream).
+    assert cluster.request("ext2", cluster.node_ip, 30050).ok
+
+
+def test_load_balancer_local_policy(cluster):
+    cluster.apply([svc("lbl", "10.96.0.51", [tcp(80, "http", node_port=30051)], type="LoadBalancer",
+                       externalTrafficPolicy="Local", healthCheckNodePort=32000,
+                       status={"loadBalancer": {"ingress": [{"ip": "198.51.100.51"}]}}),
+                   eps("lbl", [BACKENDS["be2"]], HTTP_EP)])
+    replies = cluster.request_many("ext", "198.51.100.51", 80, count=5)
+    assert backends(replies) == Counter({"be2": 5}) and {r.seen_client for r in replies} == {EXT_IP}
+
+
+def test_internal_traffic_policy_local(cluster):
+    cluster.apply([svc("itp", "10.96.0.60", HTTP, internalTrafficPolicy="Local"),
+                   eps("itp", [BACKENDS["be1"]], HTTP_EP, node="node1", name="itp-a"),
+                   eps("itp", [BACKENDS["be2"], BACKENDS["be3"]], HTTP_EP, node="node2", name="itp-b"),
+                   svc("itpn", "10.96.0.61", HTTP, internalTrafficPolicy="Local"),
+                   eps("itpn", [BACKENDS["be2"]], HTTP_EP, node="node2")])
+    assert backends(cluster.request_many("client", "10.96.0.60", 80, count=15)) == Counter({"be1": 15})
+    assert cluster.request("client", "10.96.0.61", 80, timeout=1).outcome == "timeout"
+
+
+def test_terminating_endpoints_serve_when_none_is_ready(cluster):
+    cluster.apply([svc("term", "10.96.0.65", HTTP),
+                   eps("term", [BACKENDS["be2"]], HTTP_EP, ready=False, serving=True, terminating=True)])
+    assert backends(cluster.request_many("client", "10.96.0.65", 80, count=5)) == Counter({"be2": 5})
+
+
+def test_client_ip_session_affinity_sticks(cluster):
+    cluster.apply([svc("sticky", "10.96.0.70", HTTP, sessionAffinity="ClientIP",
+                       sessionAffinityConfig={"clientIP": {"timeoutSeconds": 300}}),
+                   eps("sticky", BACKENDS.values(), HTTP_EP)])
+    first = backends(cluster.request_many("client", "10.96.0.70", 80, count=20))
+    assert len(first) == 1
+    # Without affinity the same client spreads over all backends.
+    cluster.apply([svc("sticky", "10.96.0.70", HTTP), eps("sticky", BACKENDS.values(), HTTP_EP)])
+    cluster.exec("node", ["conntrack", "-F"], check=False)
+    assert set(backends(cluster.request_many("client", "10.96.0.70", 80, count=TRIES))) == set(BACKENDS)
+
+
+def test_hairpin_is_masqueraded(cluster):
+    cluster.apply([svc("hp", "10.96.0.80", HTTP), eps("hp", [BACKENDS["be1"]], HTTP_EP)])
+    reply = cluster.request("be1", "10.96.0.80", 80)
+    assert reply.ok and reply.backend == "be1" and reply.seen_client == cluster.node_ip
+
+
+@LAYOUTS
+def test_only_hairpin_is_masqueraded_between_endpoints_of_one_service(cluster, endpoint_chains):
+    proxy = Proxy(cluster, endpoint_chains)
+    proxy.set(svc("hp", "10.96.0.80", HTTP), eps("hp", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
+    proxy.sync()
+    seen = {(r.backend, r.seen_client) for r in cluster.request_many("be1", "10.96.0.80", 80, count=TRIES)}
+    assert seen == {("be1", cluster.node_ip), ("be2", BACKENDS["be1"])}  # to itself: masqueraded; else not
+
+
+def test_cleanup_removes_the_table_and_leaves_other_tables(cluster):
+    node = cluster.ns("node")
+    cluster.nft("add table ip mine\nadd chain ip mine c\nadd rule ip mine c ip daddr 10.1.2.3 return\n")
+    cluster.apply([svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    assert nft_table(node)
+    run_proxy(node, *MODE, "--cleanup")
+    ruleset = cluster.exec("node", ["nft", "list", "ruleset"]).stdout
+    assert "kube-proxy" not in ruleset
+    assert "ip daddr 10.1.2.3 return" in ruleset
+    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "timeout"
+
+
+# --- in-process: partial syncs, canary, hostile text ---------------------------------------
+
+
+class Proxy:
+    """An NftablesProxier on the lab's node namespace, fed objects directly."""
+
+    def __init__(self, lab, endpoint_chains=False):
+        self.lab = lab
+        self.state = ProxyState("node1")
+        cfg = NftablesConfig(base=IptablesConfig(local_cidrs=("10.244.0.0/16",), localhost_nodeports=False,
+                                                 node_ips=(lab.node_ip,)), endpoint_chains=endpoint_chains)
+        self.proxier = NftablesProxier(self.state, cfg, NftKernel(lab.ns("node")))
+
+    def set(self, *objects):
+        for obj in objects:
+            if obj["kind"] == "Service":
+                self.state.set_service(parse_service(obj))
+            else:
+                self.state.set_slice(parse_endpoint_slice(obj))
+
+    def sync(self, **kw):
+        return self.proxier.sync(**kw)
+
+
+@LAYOUTS
+def test_endpoint_change_is_a_partial_sync_and_takes_effect(cluster, endpoint_chains):
+    proxy = Proxy(cluster, endpoint_chains)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP),
+              svc("other", "10.96.0.11", HTTP), eps("other", [BACKENDS["be1"]], HTTP_EP))
+    assert proxy.sync().full
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+    proxy.set(eps("web", [BACKENDS["be3"]], HTTP_EP))
+    result = proxy.sync()
+    assert not result.full and result.changed == {"default/web"}
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=10)) == Counter({"be3": 10})
+    table = nft_table(cluster.ns("node"))
+    if endpoint_chains:
+        assert any(c.startswith("-chain endpoint-") for c in result.changes), result.changes
+        assert table.count("chain endpoint-") == 2  # be3 of web, be1 of other: the stale chains are gone
+    else:
+        assert "chain endpoint-" not in table
+        assert "10.244.1.2 . 10.244.1.2" not in table and "10.244.1.1 . 10.244.1.1" in table  # be1: "other"
+    # The service goes to no endpoints and back, partially each time.
+    proxy.set(eps("web", [], HTTP_EP))
+    assert not proxy.sync().full
+    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "refused"
+    proxy.set(eps("web", [BACKENDS["be2"]], HTTP_EP))
+    assert not proxy.sync().full
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    # Deleting the service removes its chains and map entries; the other one still works.
+    proxy.state.delete_service("default", "web")
+    assert not proxy.sync().full
+    table = nft_table(cluster.ns("node"))
+    assert "default/web/" not in table and "10.96.0.10" not in table
+    assert backends(cluster.request_many("client", "10.96.0.11", 80, count=3)) == Counter({"be1": 3})
+
+
+@LAYOUTS
+def test_affinity_added_and_removed_by_partial_syncs(cluster, endpoint_chains):
+    proxy = Proxy(cluster, endpoint_chains)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    proxy.sync()
+    proxy.set(svc("web", "10.96.0.10", HTTP, sessionAffinity="ClientIP",
+                  sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}}))
+    assert not proxy.sync().full
+    assert len(backends(cluster.request_many("client", "10.96.0.10", 80, count=15))) == 1
+    proxy.set(svc("web", "10.96.0.10", HTTP))
+    assert not proxy.sync().full
+    assert "affinity-" not in nft_table(cluster.ns("node"))
+
+
+@pytest.mark.parametrize("damage", ["delete table ip kube-proxy", "flush ruleset"])
+def test_canary_sees_the_damage_and_the_next_sync_repairs(cluster, damage):
+    proxy = Proxy(cluster)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    proxy.sync()
+    assert proxy.proxier.check() is False
+    cluster.nft(damage + "\n")
+    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "timeout"
+    assert proxy.proxier.check() is True
+    assert proxy.proxier.pending_repair
+    result = proxy.sync()  # asked for a partial sync: the pending repair makes it full
+    assert result.full and result.repair
+    assert proxy.proxier.check() is False
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+
+def test_failed_apply_keeps_the_table_and_the_next_sync_is_full(cluster):
+    proxy = Proxy(cluster)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    proxy.sync()
+    real = proxy.proxier.kernel
+    proxy.proxier.kernel = NftKernel(cluster.ns("node"), binary="false")  # exits 1, applies nothing
+    proxy.set(eps("web", [BACKENDS["be1"]], HTTP_EP))
+    with pytest.raises(RuntimeError):
+        proxy.sync()
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+    proxy.proxier.kernel = real
+    result = proxy.sync()
+    assert result.full and "default/web" in result.changed
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be1": 5})
+
+
+def test_hostile_name_never_reaches_nft_text(cluster):
+    calls = []
+    proxy = Proxy(cluster)
+    kernel = proxy.proxier.kernel
+    real_apply = kernel.apply
+
+    def recording_apply(script, check_only=False):
+        calls.append(script)
+        return real_apply(script, check_only)
+
+    kernel.apply = recording_apply
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    proxy.sync()
+    # Objects built without the API server's validation (a module, a future source): the
+    # port name carries nft syntax. The parser would refuse it; build the port directly.
+    from dataclasses import replace
+
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import Service, ServicePortName
+
+    good = proxy.state.services["default/web"]
+    hostile_name = 'x" ; flush ruleset ; add table ip pwn { } #'
+    port = replace(good.ports[0], name=ServicePortName("default", "evil", hostile_name, "TCP"), cluster_ip="10.96.0.99")
+    proxy.state.set_service(Service("default", "evil", (port,)))
+    result = proxy.sync()
+    assert "default/evil" in result.rejected and "nft" in result.rejected["default/evil"]
+    assert all("flush ruleset" not in script and "pwn" not in script for script in calls)
+    assert "pwn" not in cluster.exec("node", ["nft", "list", "tables"]).stdout
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("selection,endpoint_chains", [("chained", False), ("chained", True), ("vmap", True)])
+def test_compiled_text_of_every_feature_passes_nft_check(lab, selection, endpoint_chains):
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
+        Endpoint,
+        ServicePort,
+        ServicePortName,
+    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables import compile as nc
+
+    eps_ = [Endpoint("10.244.1.1", 80, is_local=True), Endpoint("10.244.1.2", 80),
+            Endpoint("10.244.1.3", 80, ready=False, serving=True, terminating=True)]
+    ports = [
+        ServicePort(ServicePortName("ns1", "all", "p80", "TCP"), "10.96.0.1", 80, "TCP", node_port=30001,
+                    external_ips=("203.0.113.1",), load_balancer_ips=("198.51.100.1",),
+                    load_balancer_source_ranges=("192.168.50.0/24", "10.0.0.0/8"), external_policy_local=True,
+                    session_affinity_seconds=600),
+        ServicePort(ServicePortName("ns1", "udp", "", "UDP"), "10.96.0.2", 53, "UDP", internal_policy_local=True),
+        ServicePort(ServicePortName("ns1", "sctp", "s", "SCTP"), "10.96.0.3", 9, "SCTP", node_port=30002),
+    ]
+    base = IptablesConfig(local_mode="InterfaceNamePrefix", local_interface="cali", node_port_match_all=False,
+                          node_port_ips=("192.168.50.1",), masquerade_random_fully=True, node_ips=("192.168.50.1",))
+    for b in (IptablesConfig(local_cidrs=("10.244.0.0/16",)), base):
+        cfg = nc.NftablesConfig(base=b, endpoint_selection=selection, endpoint_chains=endpoint_chains)
+        compiled = {f"ns1/{sp.name.name}": nc.compile_service([sp], {sp.name: eps_}, cfg) for sp in ports}
+        compiled["ns1/none"] = nc.compile_service(
+            [ServicePort(ServicePortName("ns1", "none", "", "TCP"), "10.96.0.4", 80, "TCP", node_port=30003)], {}, cfg)
+        text = nc.render_full(compiled, cfg)
+        assert ("ip saddr != 10.244.0.0/16" in text) != ('iifname != "cali*"' in text)
+        NftKernel(lab.ns("node")).apply(text, check_only=True)
+    assert nft_table(lab.ns("node")) == ""  # -c applied nothing
+
+
+def test_periodic_full_sync_checks_then_syncs_partially_until_a_rewrite_is_due(cluster):
+    proxy = Proxy(cluster)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    assert proxy.sync(force_full=True).full
+    proxy.set(eps("web", [BACKENDS["be2"]], HTTP_EP))
+    result = proxy.sync(force_full=True)  # the daemon's periodic resync, the table intact
+    assert not result.full and result.changed == {"default/web"}
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    cluster.nft("delete table ip kube-proxy\n")
+    result = proxy.sync(force_full=True)
+    assert result.full and "gone" in result.repair
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    # `flush table` empties the chains but not the sets: the canary cannot see it (a chain
+    # listing costs a second at 10,000 services); the hourly rewrite repairs it.
+    cluster.nft("flush table ip kube-proxy\n")
+    assert proxy.proxier.check() is False
+    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "timeout"
+    proxy.proxier.rewrite_period = 0
+    assert proxy.sync(force_full=True).full
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+
+
+@pytest.fixture
+def nft_daemon(cluster, tmp_path):
+    """kubenode-proxy --proxy-mode nftables as a daemon in the node, following a manifests
+    directory (``cluster.manifests``, log ``cluster.log``); SIGTERM after the test."""
+    import signal
+    import sys
+
+    from proxyctl import BIN
+
+    cluster.manifests = tmp_path / "daemon-manifests"
+    write_manifests(cluster.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    cluster.log = tmp_path / "daemon.log"
+    proc = cluster.spawn("node", [sys.executable, str(BIN), *MODE, "--manifests", str(cluster.manifests),
+                                  "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
+                                  "--nodeport-addresses", "192.168.50.0/24"], stdout=cluster.log)
+    cluster.daemon = proc
+    try:
+        yield cluster
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+
+
+def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(nft_daemon):
+    from proxyctl import wait_for
+
+    lab = nft_daemon
+    wait_for(lambda: "10.96.0.10" in nft_table(lab.ns("node")), what="the first sync")
+    assert set(backends(lab.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+    write_manifests(lab.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be2"]], HTTP_EP)])
+    wait_for(lambda: "10.244.1.1" not in nft_table(lab.ns("node")), what="the endpoint change")
+    assert backends(lab.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+    text = lab.log.read_text()
+    assert "nftables mode" in text and "partial sync" in text, text
+    import signal
+
+    lab.daemon.send_signal(signal.SIGTERM)
+    assert lab.daemon.wait(10) == 0
+    assert backends(lab.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be2": 3})  # rules stay
+
+
+def test_daemon_in_nftables_mode_removes_a_stale_udp_flow(nft_daemon):
+    from proxyctl import wait_for
+    from test_conntrack_cleanup import send  # one datagram from a fixed source port
+
+    lab = nft_daemon
+    dns = [{"name": "dns", "port": 53, "protocol": "UDP"}]
+    dns_ep = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
+    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [BACKENDS["be1"]], dns_ep)])
+    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41001, timeout=0.5) == "be1")
+    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be1"  # the long-lived flow
+    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [BACKENDS["be2"]], dns_ep)])
+    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2")
+    # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
+    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be2"
+
+
+def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluster):
+    proxy = Proxy(cluster)
+    proxy.set(svc("a", "10.96.0.41", HTTP, externalIPs=["203.0.113.40"]), eps("a", [BACKENDS["be1"]], HTTP_EP),
+              svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be3"]], HTTP_EP))
+    proxy.sync()
+    # "b" claims a's external IP and port, in a partial sync: nft would refuse the whole
+    # transaction ("File exists"); the sync goes full and a (first by name) keeps it.
+    proxy.set(svc("b", "10.96.0.42", HTTP, externalIPs=["203.0.113.40"]), eps("b", [BACKENDS["be2"]], HTTP_EP))
+    result = proxy.sync()
+    assert result.full and "already used by Service default/a" in result.rejected["default/b"]
+    assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be1": 5})
+    assert backends(cluster.request_many("client", "10.96.0.42", 80, count=3)) == Counter({"be2": 3})
+    # Other changes still apply (partially) meanwhile.
+    proxy.set(eps("web", [BACKENDS["be1"]], HTTP_EP))
+    assert not proxy.sync().full
+    assert backends(cluster.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be1": 3})
+    # a goes: b gets the address.
+    proxy.state.delete_service("default", "a")
+    result = proxy.sync()
+    assert result.full and not result.rejected
+    assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be2": 5})
