@@ -581,19 +581,14 @@ class IpvsProxier:
         return [f"ipvs {op}" for op in p.ops]
 
     def _ipvs_timeouts(self, changes: List[str], errors: List[str]) -> None:
-        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (``ipvsadm --set``; 0 keeps a value)."""
+        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (netlink, as ``ipvsadm --set``; 0 keeps a value)."""
         cfg = self.cfg
         if self._timeouts_done or not (cfg.tcp_timeout or cfg.tcp_fin_timeout or cfg.udp_timeout):
             return
-        argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + [
-            "ipvsadm", "--set", str(int(cfg.tcp_timeout)), str(int(cfg.tcp_fin_timeout)), str(int(cfg.udp_timeout))]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-        except OSError as e:
-            errors.append(f"IPVS timeouts: cannot run ipvsadm: {e}")
-            return
-        if proc.returncode != 0:
-            errors.append(f"IPVS timeouts: ipvsadm --set failed: {proc.stderr.strip()}")
+            self.ipvs.set_timeouts(int(cfg.tcp_timeout), int(cfg.tcp_fin_timeout), int(cfg.udp_timeout))
+        except (kipvs.IPVSError, ValueError) as e:
+            errors.append(f"IPVS timeouts: {e}")
             return
         self._timeouts_done = True
         changes.append(f"~ ipvs timeouts tcp {int(cfg.tcp_timeout)} tcpfin {int(cfg.tcp_fin_timeout)} "
