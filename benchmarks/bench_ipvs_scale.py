@@ -174,7 +174,7 @@ def host(args: argparse.Namespace) -> int:
         argv = ["--guest", "--services", *map(str, args.services), "--changes", str(args.changes)]
         if args.profile:
             argv.append("--profile")
-        proc = vm.sh(f"cd {shlex.quote(repo)} && exec {vmlab.GUEST_PYTHON} benchmarks/bench_ipvs_scale.py "
+        proc = vm.sh(f"cd {shlex.quote(repo)} && {vmlab.GUEST_PYTHON} benchmarks/bench_ipvs_scale.py "
                      + " ".join(argv) + "; echo; uname -r; nproc", check=False, timeout=7200)
     finally:
         lab.close()
