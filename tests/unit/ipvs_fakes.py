@@ -25,6 +25,16 @@ class FakeIPVS:
         self.applied: List[k.Op] = []
         self.fail: Set[str] = set()  # op kinds to refuse (EINVAL)
         self.flushed = 0
+        self.timeout_values = (900, 120, 300)  # the kernel's defaults
+        self.timeout_calls: List[tuple] = []
+
+    def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None:
+        """As the kernel's ip_vs_set_timeout: a 0 keeps that value."""
+        self.timeout_calls.append((tcp, tcp_fin, udp))
+        self.timeout_values = tuple(new or old for new, old in zip((tcp, tcp_fin, udp), self.timeout_values))
+
+    def timeouts(self):
+        return self.timeout_values
 
     def info(self):
         return "1.2.1", 4096

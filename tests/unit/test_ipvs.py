@@ -1,6 +1,7 @@
 """IPVS core: conversions, model validation, planning (graceful removal included), ipvsadm-like
 text, and the netlink codec (checked against pyroute2's own IPVS message classes) and client
 (against a scripted fake socket). The kernel side runs in the VM lab (tests/vm/test_ipvs_module.py)."""
+import ctypes
 import errno
 import socket
 import struct
@@ -9,6 +10,7 @@ import pytest
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs_netlink as nl
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import ipvs_sockopt as so
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.ipvs import (
     ADD_DEST,
     ADD_SERVICE,
@@ -631,9 +633,11 @@ class FakeConn:
         pass
 
 
-def kernel_with(conn):
+def kernel_with(conn, reader=None):
     k = ipvs.IPVSKernel()
     k._conn = conn
+    k._sockopt = reader
+    k._sockopt_failed = reader is None  # never this machine's kernel in unit tests
     return k
 
 
@@ -705,3 +709,233 @@ def test_sync_plans_against_the_listing_and_applies():
     p, result = k.sync([ServiceState(VS, (RS1,))], current=[])
     assert kinds(p) == [(ADD_SERVICE, "TCP 10.96.0.10:80"), (ADD_DEST, "10.244.1.1:8080")]
     assert result.applied == 2 and len(conn.requests) == 2
+
+
+# -- IPVS timeouts over netlink (IPVS_CMD_SET_CONFIG / GET_CONFIG)
+
+
+def test_set_timeouts_sends_set_config_with_the_three_timeouts():
+    conn = FakeConn()
+    kernel_with(conn).set_timeouts(900, 0, 300)
+    ((payload),) = conn.requests
+    cmd, attrs = nl.genl_attrs(payload)
+    assert cmd == nl.IPVS_CMD_SET_CONFIG
+    assert nl.decode_timeouts(attrs) == (900, 0, 300)  # 0: the kernel keeps the FIN timeout
+    assert sorted(attrs) == [nl.IPVS_CMD_ATTR_TIMEOUT_TCP, nl.IPVS_CMD_ATTR_TIMEOUT_TCP_FIN,
+                             nl.IPVS_CMD_ATTR_TIMEOUT_UDP]
+
+
+def test_set_timeouts_errors():
+    with pytest.raises(ValueError, match="out of range"):
+        kernel_with(FakeConn()).set_timeouts(-1, 0, 0)
+    with pytest.raises(ipvs.IPVSError, match="Invalid argument") as exc:
+        kernel_with(FakeConn([errno.EINVAL])).set_timeouts(10 ** 9, 0, 0)
+    assert exc.value.code == errno.EINVAL
+
+
+def test_timeouts_read_get_config():
+    class Conn(FakeConn):
+        def get(self, cmd, attrs=b""):
+            assert cmd == nl.IPVS_CMD_GET_CONFIG
+            return nl.parse_attrs(nl.timeout_attrs(901, 121, 301))
+    assert kernel_with(Conn()).timeouts() == (901, 121, 301)
+
+
+# -- the fast listing: services by one dump, IPv4 real servers by getsockopt
+
+
+@pytest.mark.parametrize("vs", [
+    VS, virtual_server("udp", "10.96.0.11", 53, scheduler="sh", scheduler_flags=["sh-port"]),
+    virtual_server("tcp", "10.96.0.12", 443, persistence_timeout=600, persistence_netmask="255.255.255.0"),
+    virtual_server("tcp", "fd00::10", 80, persistence_timeout=60, persistence_netmask=64),
+    virtual_server("sctp", "10.96.0.13", 3868), virtual_server(fwmark=7, family="ipv6"),
+    VirtualServer("10.96.0.14", 5060, "UDP", flags=ipvs.IP_VS_SVC_F_PERSISTENT | ipvs.IP_VS_SVC_F_ONEPACKET,
+                  timeout=30, pe_name="sip"),
+])
+def test_service_hot_path_decodes_like_the_reference(vs):
+    wire = ipvs._service_wire(vs)
+    attrs = nl.parse_attrs(nl.service_attrs(wire, full=True)[4:])
+    attrs[nl.IPVS_SVC_ATTR_FLAGS] = nl.SVC_FLAGS.pack(vs.flags | ipvs.IP_VS_SVC_F_HASHED, 0xFFFFFFFF)
+    fast = ipvs._service_from_attrs(attrs)
+    assert fast == ipvs.service_from_wire(nl.decode_service(attrs)) == vs
+    assert fast.__dict__ == vs.__dict__ and hash(fast) == hash(vs)
+
+
+def test_dest_from_wire_builds_the_same_real_server_as_the_constructor():
+    rs = RealServer("10.244.1.9", 8443, weight=5, forwarding="tunnel", u_threshold=9, l_threshold=2,
+                    tunnel_type="gue", tunnel_port=6080, tunnel_flags=1)
+    attrs = nl.parse_attrs(nl.dest_attrs(ipvs._dest_wire(rs), full=True)[4:])
+    got = ipvs.dest_from_wire(nl.decode_dest(attrs, 4))
+    assert got == rs and got.__dict__ == rs.__dict__ and got.same_config(rs)
+
+
+class FakeSockoptKernel:
+    """The kernel's side of IP_VS_SO_GET_SERVICES / IP_VS_SO_GET_DESTS (ip_vs_ctl.c),
+    written with ctypes structures, independently of the reader's struct formats: the
+    exact-length check (EINVAL), IPv4 services only, ESRCH for an unknown service, other
+    families' destinations skipped, at most num_dests entries."""
+
+    def __init__(self, services):
+        self.services = services  # [(VirtualServer, [RealServer])]
+        self.calls = []
+
+    def getsockopt(self, _fd, level, opt, buf, length_ref):
+        assert level == socket.IPPROTO_IP
+        size = length_ref._obj.value
+        self.calls.append(opt)
+        v4 = [(vs, reals) for vs, reals in self.services if vs.family == 4]
+        if opt == so.IP_VS_SO_GET_SERVICES:
+            head = so._GetServices.from_buffer(buf)
+            if size != ctypes.sizeof(so._GetServices) + head.num_services * ctypes.sizeof(so._ServiceEntry):
+                ctypes.set_errno(errno.EINVAL)
+                return -1
+            for i, (vs, reals) in enumerate(v4[:head.num_services]):
+                e = so._ServiceEntry.from_buffer(buf, so._GetServices.entrytable.offset
+                                                 + i * ctypes.sizeof(so._ServiceEntry))
+                if vs.fwmark:
+                    e.fwmark = vs.fwmark
+                else:
+                    e.protocol = ipvs.PROTOCOLS[vs.protocol]
+                    e.addr = int.from_bytes(socket.inet_aton(vs.address), "little")  # __be32 as stored
+                    e.port = int.from_bytes(vs.port.to_bytes(2, "big"), "little")
+                e.sched_name = vs.scheduler.encode()
+                e.num_dests = len(reals)
+            return 0
+        if opt == so.IP_VS_SO_GET_DESTS:
+            head = so._GetDests.from_buffer(buf)
+            if size != ctypes.sizeof(so._GetDests) + head.num_dests * ctypes.sizeof(so._DestEntry):
+                ctypes.set_errno(errno.EINVAL)
+                return -1
+            for vs, reals in v4:
+                if vs.fwmark:
+                    if head.fwmark != vs.fwmark:
+                        continue
+                elif (head.fwmark or head.protocol != ipvs.PROTOCOLS[vs.protocol]
+                      or head.addr != int.from_bytes(socket.inet_aton(vs.address), "little")
+                      or head.port != int.from_bytes(vs.port.to_bytes(2, "big"), "little")):
+                    continue
+                same = [rs for rs in reals if rs.family == 4][:head.num_dests]
+                for i, rs in enumerate(same):
+                    e = so._DestEntry.from_buffer(buf, so._GetDests.entrytable.offset
+                                                  + i * ctypes.sizeof(so._DestEntry))
+                    e.addr = int.from_bytes(socket.inet_aton(rs.address), "little")
+                    e.port = int.from_bytes(rs.port.to_bytes(2, "big"), "little")
+                    e.conn_flags = ipvs.FORWARDING[rs.forwarding] | 0x100  # other conn flags are ignored
+                    e.weight, e.u_threshold, e.l_threshold = rs.weight, rs.u_threshold, rs.l_threshold
+                    e.activeconns, e.inactconns, e.persistconns = (
+                        rs.active_connections, rs.inactive_connections, rs.persistent_connections)
+                return 0
+            ctypes.set_errno(errno.ESRCH)
+            return -1
+        ctypes.set_errno(errno.ENOPROTOOPT)
+        return -1
+
+
+class FakeRawSocket:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def fileno(self):
+        return -1
+
+    def getsockopt(self, level, opt, size):
+        assert (level, opt, size) == (socket.IPPROTO_IP, so.IP_VS_SO_GET_INFO, 12)
+        return struct.pack("=III", 0x010201, 4096, len(self.kernel.services))
+
+    def close(self):
+        pass
+
+
+def sockopt_reader(kernel, monkeypatch):
+    monkeypatch.setattr(so, "_libc", kernel.getsockopt)
+    return so.SockoptReader(FakeRawSocket(kernel))
+
+
+class DumpConn(FakeConn):
+    """GET_SERVICE dumps the table; GET_DEST dumps one service's real servers (and is counted)."""
+
+    def __init__(self, services):
+        super().__init__()
+        self.services = services
+        self.dest_dumps = []
+
+    def dump(self, cmd, attrs=b""):
+        if cmd == nl.IPVS_CMD_GET_SERVICE:
+            return [{nl.IPVS_CMD_ATTR_SERVICE: nl.service_attrs(ipvs._service_wire(vs), full=True)[4:]}
+                    for vs, _reals in self.services]
+        assert cmd == nl.IPVS_CMD_GET_DEST
+        key = ipvs.service_from_wire(nl.decode_service(nl.parse_attrs(nl.parse_attrs(attrs)[nl.IPVS_CMD_ATTR_SERVICE])))
+        self.dest_dumps.append(str(key))
+        for vs, reals in self.services:
+            if vs.key == key.key:
+                return [{nl.IPVS_CMD_ATTR_DEST: nl.dest_attrs(ipvs._dest_wire(rs), full=True)[4:]
+                         + nl.nla_u32(nl.IPVS_DEST_ATTR_ACTIVE_CONNS, rs.active_connections)} for rs in reals]
+        return []
+
+
+MIXED = [
+    (VS, [conns(RS1, active=4), RS2, RealServer("10.244.1.3", 8080, weight=0, u_threshold=50, l_threshold=5)]),
+    (virtual_server("udp", "10.96.0.53", 53), []),
+    (virtual_server(fwmark=9), [RealServer("10.244.2.1", 0, forwarding="route")]),
+    (virtual_server("tcp", "10.96.0.20", 80), [RealServer("10.244.3.1", 80, forwarding="tunnel", tunnel_type="gue",
+                                                          tunnel_port=6080)]),
+    (virtual_server("tcp", "10.96.0.21", 80), [RealServer("10.244.4.1", 80, forwarding="tunnel"),
+                                               RealServer("fd00::4:1", 80, forwarding="tunnel")]),
+    (virtual_server("tcp", "fd00::96", 443), [RealServer("fd00::1:1", 8443)]),
+]
+
+
+def test_fast_listing_equals_the_per_service_listing(monkeypatch):
+    sockopt_kernel = FakeSockoptKernel(MIXED)
+    conn = DumpConn(MIXED)
+    k = kernel_with(conn, sockopt_reader(sockopt_kernel, monkeypatch))
+    fast = k.services()
+    assert [s.virtual for s in fast] == [vs for vs, _reals in MIXED]
+    assert [list(s.real_servers) for s in fast] == [reals for _vs, reals in MIXED]
+    assert fast[0].real_servers[0].active_connections == 4
+    assert [rs.__dict__ for s in fast for rs in s.real_servers] == [rs.__dict__ for _vs, reals in MIXED
+                                                                    for rs in reals]
+    # netlink only where getsockopt cannot tell: tunnel parameters, a mixed-family pool, IPv6
+    assert conn.dest_dumps == ["TCP 10.96.0.20:80", "TCP 10.96.0.21:80", "TCP [fd00::96]:443"]
+    conn.dest_dumps.clear()
+    assert k.services_each() == fast and len(conn.dest_dumps) == len(MIXED)
+
+
+def test_fast_listing_asks_netlink_when_a_real_server_came_in_between(monkeypatch):
+    sockopt_kernel = FakeSockoptKernel([(VS, [RS1])])
+    reader = sockopt_reader(sockopt_kernel, monkeypatch)
+    counts = reader.service_counts
+    def stale_counts(capacity):  # listed before RS2 and RS3 were added
+        found = counts(capacity)
+        sockopt_kernel.services = [(VS, [RS1, RS2, RS3])]
+        return found
+    reader.service_counts = stale_counts
+    conn = DumpConn([(VS, [RS1, RS2, RS3])])
+    (state,) = kernel_with(conn, reader).services()
+    assert state.real_servers == (RS1, RS2, RS3) and conn.dest_dumps == ["TCP 10.96.0.10:80"]
+
+
+def test_fast_listing_falls_back_to_netlink_when_getsockopt_fails(monkeypatch):
+    sockopt_kernel = FakeSockoptKernel(MIXED)
+    reader = sockopt_reader(sockopt_kernel, monkeypatch)
+    monkeypatch.setattr(reader, "getsockopt", lambda *args: (ctypes_errno(errno.EPERM), -1)[1])
+    conn = DumpConn(MIXED)
+    k = kernel_with(conn, reader)
+    assert [list(s.real_servers) for s in k.services()] == [reals for _vs, reals in MIXED]
+    assert len(conn.dest_dumps) == len(MIXED) and k._sockopt is None and k._sockopt_failed
+
+
+def ctypes_errno(code):
+    ctypes.set_errno(code)
+
+
+def test_sockopt_requests_state_their_exact_size_and_read_thousands(monkeypatch):
+    many = [(virtual_server("tcp", f"10.97.{i // 256}.{i % 256}", 80),
+             [RealServer(f"10.245.{(3 * i + j) // 256 % 256}.{(3 * i + j) % 256}", 8080) for j in range(3)])
+            for i in range(1200)]
+    sockopt_kernel = FakeSockoptKernel(many)
+    conn = DumpConn(many)
+    listing = kernel_with(conn, sockopt_reader(sockopt_kernel, monkeypatch)).services()
+    assert [list(s.real_servers) for s in listing] == [reals for _vs, reals in many]
+    assert conn.dest_dumps == []  # one getsockopt per service, no EINVAL (exact sizes)
+    assert sockopt_kernel.calls.count(so.IP_VS_SO_GET_DESTS) == 1200

@@ -314,3 +314,22 @@ def test_check_finds_a_missing_canary_or_link_and_the_next_sync_repairs_both():
     assert n.proxier.check() and "kube-ipvs0" in n.proxier.pending_repair
     r = n.proxier.sync()
     assert r.full and n.link.exists and n.link.addrs == {"10.96.0.10"} and not n.proxier.check()
+
+
+def test_ipvs_timeouts_go_to_the_ipvs_kernel_handle_once():
+    cfg = ipvsc.IpvsConfig(**{**CFG.__dict__, "tcp_timeout": 600.0, "udp_timeout": 30.0})
+    n = Node(cfg)
+    n.web()
+    r = n.proxier.sync()
+    assert n.ipvs.timeout_calls == [(600, 0, 30)]
+    assert n.ipvs.timeouts() == (600, 120, 30)  # 0 kept the FIN timeout
+    assert "~ ipvs timeouts tcp 600 tcpfin 0 udp 30" in r.changes
+    n.proxier.sync(force_full=True)
+    assert n.ipvs.timeout_calls == [(600, 0, 30)]
+
+
+def test_ipvs_timeouts_unset_are_not_written():
+    n = Node()
+    n.web()
+    n.proxier.sync()
+    assert n.ipvs.timeout_calls == []

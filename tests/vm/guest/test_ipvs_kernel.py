@@ -199,6 +199,67 @@ def test_every_kind_of_service_round_trips_and_lists_like_ipvsadm(kernel, netns)
     assert removed.ok and removed.applied == 5 and kernel.services() == []
 
 
+def many_services(count: int) -> list:
+    """``count`` services with 3 real servers each: mostly IPv4 TCP/UDP (the getsockopt
+    path), some with settings that path must carry (weights, thresholds, route
+    forwarding), fwmark services, IPv6 ones and tunnel ones (read over netlink)."""
+    out = []
+    for i in range(count):
+        reals = tuple(RealServer(f"10.245.{(3 * i + j) // 256 % 256}.{(3 * i + j) % 256}", 8080 + j, weight=1 + j,
+                                 u_threshold=(i % 7) * 10, l_threshold=i % 7) for j in range(3))
+        if i % 40 == 1:
+            vs = virtual_server(fwmark=1000 + i, scheduler="wlc")
+            reals = tuple(RealServer(r.address, 0, forwarding="route") for r in reals)
+        elif i % 40 == 2:
+            vs = virtual_server("tcp", f"fd00:96::{i:x}", 443, scheduler="rr")
+            reals = tuple(RealServer(f"fd00:245::{3 * i + j:x}", 8443) for j in range(3))
+        elif i % 40 == 3:
+            vs = virtual_server("tcp", f"10.97.{i // 256}.{i % 256}", 80)
+            reals = reals[:2] + (RealServer("10.245.255.1", 80, forwarding="tunnel", tunnel_type="gue",
+                                            tunnel_port=6080),)
+        else:
+            vs = virtual_server("udp" if i % 2 else "tcp", f"10.97.{i // 256}.{i % 256}", 53 if i % 2 else 80,
+                                scheduler="rr", persistence_timeout=300 if i % 5 == 0 else 0)
+        out.append(ServiceState(vs, reals))
+    return out
+
+
+def test_a_thousand_services_list_exactly_as_programmed(kernel, netns):
+    """The fast listing (one service dump, IPv4 real servers by getsockopt, the rest by
+    netlink) equals what was programmed, the old per-service netlink listing, and
+    ``ipvsadm -Ln``."""
+    want = many_services(1200)
+    result = kernel.apply(plan([], want).ops)
+    assert result.ok, [str(e) for _op, e in result.errors[:5]]
+    listed = kernel.services()
+    assert kernel._sockopt is not None and not kernel._sockopt_failed  # the getsockopt path ran
+    assert len(listed) == 1200 and sum(len(s.real_servers) for s in listed) == 3600
+    by_key = {s.key: s for s in listed}
+    for s in want:
+        have = by_key[s.key]
+        assert have.virtual.same_config(s.virtual), (have.virtual, s.virtual)
+        assert sorted(r.key for r in have.real_servers) == sorted(r.key for r in s.real_servers), s.virtual
+        for rs in s.real_servers:
+            assert have.real_server(rs.key).same_config(rs), (have.real_server(rs.key), rs)
+    assert plan(listed, want).empty
+    assert sorted(listed, key=lambda s: s.key) == sorted(kernel.services_each(), key=lambda s: s.key)
+    # the same blocks; ipvsadm's own order (protocol first) is not sort_services'
+    assert sorted(blocks(ipvsadm(netns))) == sorted(blocks("".join(ipvs.format_service(s) for s in listed)))
+
+
+def test_timeouts_are_set_over_netlink_and_read_back_by_ipvsadm(kernel, netns):
+    kernel.set_timeouts(901, 121, 301)
+    assert kernel.timeouts() == (901, 121, 301)
+    timeout_line = sh("ip", "netns", "exec", netns, "ipvsadm", "-L", "--timeout").stdout.strip()
+    assert timeout_line == "Timeout (tcp tcpfin udp): 901 121 301"
+    kernel.set_timeouts(0, 0, 61)  # 0 keeps a value, as ipvsadm --set
+    assert sh("ip", "netns", "exec", netns, "ipvsadm", "-L", "--timeout").stdout.strip() == (
+        "Timeout (tcp tcpfin udp): 901 121 61")
+    with pytest.raises(ipvs.IPVSError) as exc:
+        kernel.set_timeouts(2 ** 31 - 1, 0, 0)  # beyond INT_MAX / HZ: the kernel refuses it
+    assert exc.value.code == 22 and kernel.timeouts() == (901, 121, 61)
+
+
 def test_every_scheduler_the_kernel_has_works_and_a_missing_one_is_named(kernel):
     working, missing = [], []
     for i, name in enumerate(ipvs.SCHEDULERS):

@@ -63,12 +63,17 @@ IPVS_CMD_NEW_DEST = 5
 IPVS_CMD_SET_DEST = 6
 IPVS_CMD_DEL_DEST = 7
 IPVS_CMD_GET_DEST = 8
+IPVS_CMD_SET_CONFIG = 12
+IPVS_CMD_GET_CONFIG = 13
 IPVS_CMD_GET_INFO = 15
 IPVS_CMD_FLUSH = 17
 
 # top-level attributes
 IPVS_CMD_ATTR_SERVICE = 1
 IPVS_CMD_ATTR_DEST = 2
+IPVS_CMD_ATTR_TIMEOUT_TCP = 4  # u32 seconds; in SET_CONFIG requests and GET_CONFIG replies
+IPVS_CMD_ATTR_TIMEOUT_TCP_FIN = 5
+IPVS_CMD_ATTR_TIMEOUT_UDP = 6
 IPVS_INFO_ATTR_VERSION = 1  # in IPVS_CMD_GET_INFO replies
 IPVS_INFO_ATTR_CONN_TAB_SIZE = 2
 
@@ -219,6 +224,19 @@ def dest_attrs(dest: Dict[str, Any], full: bool) -> bytes:
                      + nla_be16(IPVS_DEST_ATTR_TUN_PORT, dest.get("tun_port", 0))
                      + nla_u16(IPVS_DEST_ATTR_TUN_FLAGS, dest.get("tun_flags", 0)))
     return nla_nested(IPVS_CMD_ATTR_DEST, body)
+
+
+def timeout_attrs(tcp: int, tcp_fin: int, udp: int) -> bytes:
+    """IPVS_CMD_SET_CONFIG attributes. The kernel keeps a timeout whose value
+    is 0 (``ip_vs_set_timeout`` only writes non-zero ones), as ``ipvsadm --set``."""
+    return (nla_u32(IPVS_CMD_ATTR_TIMEOUT_TCP, tcp) + nla_u32(IPVS_CMD_ATTR_TIMEOUT_TCP_FIN, tcp_fin)
+            + nla_u32(IPVS_CMD_ATTR_TIMEOUT_UDP, udp))
+
+
+def decode_timeouts(attrs: Dict[int, bytes]) -> Tuple[int, int, int]:
+    """(tcp, tcp_fin, udp) seconds from IPVS_CMD_GET_CONFIG's reply attributes."""
+    return (_u32(attrs.get(IPVS_CMD_ATTR_TIMEOUT_TCP)), _u32(attrs.get(IPVS_CMD_ATTR_TIMEOUT_TCP_FIN)),
+            _u32(attrs.get(IPVS_CMD_ATTR_TIMEOUT_UDP)))
 
 
 def genl_payload(cmd: int, attrs: bytes = b"", version: int = IPVS_GENL_VERSION) -> bytes:
@@ -467,6 +485,6 @@ class GenlConnection:
 
 __all__ = [
     "DEFAULT_BATCH", "DEFAULT_TIMEOUT", "GenlConnection", "NetlinkError", "Pyroute2Missing",
-    "decode_dest", "decode_service", "dest_attrs", "genl_payload", "nlmsg", "parse_attrs",
-    "service_attrs", "service_key_attrs", "split_messages",
+    "decode_dest", "decode_service", "decode_timeouts", "dest_attrs", "genl_payload", "nlmsg", "parse_attrs",
+    "service_attrs", "service_key_attrs", "split_messages", "timeout_attrs",
 ]

@@ -42,7 +42,6 @@ from ...kernel.ipset import IPSet, IpsetKernel, IpsetToolMissing, temp_name
 from ...kernel.ipset import plan as ipset_plan
 from ...kernel.ipset_specs import kube_ipset
 from ...kernel.iptables import CANARY_CHAIN, CANARY_TABLES, IptablesKernel, KernelError, RestoreError, Snapshot
-from ...kernel.ipvs_timeouts import set_timeouts
 from ...kernel.sysctl import Sysctls
 from ...provider import ProxierBase, SyncResult
 from ...state import ProxyState
@@ -475,13 +474,13 @@ class IpvsProxier(ProxierBase):
         return [f"ipvs {op}" for op in p.ops]
 
     def _ipvs_timeouts(self, changes: List[str], errors: List[str]) -> None:
-        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (0 keeps a value), once."""
+        """ipvs.tcpTimeout/tcpFinTimeout/udpTimeout (netlink, as ``ipvsadm --set``; 0 keeps a value)."""
         cfg = self.cfg
         if self._timeouts_done or not (cfg.tcp_timeout or cfg.tcp_fin_timeout or cfg.udp_timeout):
             return
         try:
-            set_timeouts(self.netns, cfg.tcp_timeout, cfg.tcp_fin_timeout, cfg.udp_timeout)
-        except KernelError as e:
+            self.ipvs.set_timeouts(int(cfg.tcp_timeout), int(cfg.tcp_fin_timeout), int(cfg.udp_timeout))
+        except (kipvs.IPVSError, ValueError) as e:
             errors.append(f"IPVS timeouts: {e}")
             return
         self._timeouts_done = True
