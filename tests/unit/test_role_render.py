@@ -141,7 +141,8 @@ def test_bad_variables_are_refused_at_the_start_with_their_name(tmp_path):
     # on a real node too, before any package, file or service is touched.
     for i, (extra, names) in enumerate([
         ({"kube_proxy_extra_args": "--masquerade-all -v"}, ["kube_proxy_extra_args must be a list"]),
-        ({"kube_proxy_cluster_cidr": "10.244.0.0/16,10.245.0.0"}, ["kube_proxy_cluster_cidr: not a CIDR", "10.245.0.0"]),
+        ({"kube_proxy_cluster_cidr": "10.244.0.0/16,10.245.0.0"},
+         ["kube_proxy_cluster_cidr: not a CIDR", "10.245.0.0"]),
         # "k=v" passes the argument specs (converted there, but not for the role).
         ({"kube_proxy_sysctls_extra": "net.ipv4.ip_forward=1"}, ["kube_proxy_sysctls_extra must be a mapping"]),
     ]):
