@@ -81,7 +81,8 @@ class ClusterApi(FakeApiServer):
         ds = self.get("DaemonSet", "kube-system", "kube-proxy")
         terms = (ds["spec"]["template"]["spec"].get("affinity", {}).get("nodeAffinity", {})
                  .get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", []))
-        absent_keys = [e["key"] for t in terms for e in t.get("matchExpressions", []) if e["operator"] == "DoesNotExist"]
+        absent_keys = [e["key"] for t in terms for e in t.get("matchExpressions", [])
+                       if e["operator"] == "DoesNotExist"]
         for node in self.objects("Node"):
             name = node["metadata"]["name"]
             admitted = not any(k in node["metadata"].get("labels", {}) for k in absent_keys)
