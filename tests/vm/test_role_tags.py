@@ -49,7 +49,7 @@ def test_every_tag_runs_alone_in_check_mode_on_a_fresh_node(vm_lab: vmlab.VMLab,
         state = ["-e", "kube_proxy_state=absent"] if tag == "kube_proxy_absent" else []
         return tag, subprocess.run(
             ["ansible-playbook", "-i", str(inventory), str(ROOT / "playbooks" / "site.yml"), "--check", "--diff",
-             "--tags", tag, "-e", f"@{extra}", *state], capture_output=True, text=True, env=env, timeout=900,
+             "--tags", tag, "-e", f"@{extra}", *state], capture_output=True, text=True, env=env, timeout=1500,
             check=False)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
