@@ -24,7 +24,9 @@ collections=$(mktemp -d /tmp/kubenode-molecule.XXXXXX)
 trap 'rm -rf "$collections"' EXIT
 mkdir -p "$collections/ansible_collections/kubenode"
 ln -s "$root" "$collections/ansible_collections/kubenode/proxy"
-export ANSIBLE_COLLECTIONS_PATH="$collections${ANSIBLE_COLLECTIONS_PATH:+:$ANSIBLE_COLLECTIONS_PATH}"
+# The default paths stay on it: install-deps.sh puts the collections this one depends on in
+# /usr/share/ansible/collections.
+export ANSIBLE_COLLECTIONS_PATH="$collections:${ANSIBLE_COLLECTIONS_PATH:-$HOME/.ansible/collections:/usr/share/ansible/collections}"
 
 # Scenarios live in molecule/ (molecule 26 would look in extensions/molecule/ of a collection).
 export MOLECULE_GLOB="${MOLECULE_GLOB:-molecule/*/molecule.yml}"

@@ -111,3 +111,51 @@ def test_kubeconfig_given_whole(tmp_path):
     (tmp_path / "as-text").mkdir()
     files, _computed = render(tmp_path / "as-text", kube_proxy_kubeconfig_content="apiVersion: v1\nkind: Config\n")
     assert yaml.safe_load(files["kubeconfig"]) == {"apiVersion": "v1", "kind": "Config"}
+
+
+def test_comma_separated_cidrs_are_split(tmp_path):
+    files, _computed = render(tmp_path, kube_proxy_cluster_cidr="10.244.0.0/16, 10.245.0.0/16",
+                              kube_proxy_nodeport_addresses="192.0.2.0/24,primary")
+    cfg = kpconfig.parse(yaml.safe_load(files["config.yaml"]))
+    assert cfg.cluster_cidrs == ("10.244.0.0/16", "10.245.0.0/16")
+    assert yaml.safe_load(files["config.yaml"])["nodePortAddresses"] == ["192.0.2.0/24", "primary"]
+
+
+def run_site(tmp_path, *flags, **extra):
+    """playbooks/site.yml on localhost with ``extra`` as extra vars; (returncode, output, seconds)."""
+    import time
+
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"kube_proxy_nodes": {"hosts": {"localhost": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}}}))
+    (tmp_path / "extra.json").write_text(json.dumps(extra))
+    collections = os.environ["KUBENODE_COLLECTIONS_PATH"] + ":/usr/share/ansible/collections"
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=collections, ANSIBLE_NOCOLOR="1",
+               ANSIBLE_LOCALHOST_WARNING="False")
+    started = time.monotonic()
+    proc = subprocess.run(["ansible-playbook", "-i", str(inventory), os.path.join(ROOT, "playbooks", "site.yml"),
+                           "-e", f"@{tmp_path / 'extra.json'}", *flags], capture_output=True, text=True, env=env,
+                          check=False, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def test_bad_variables_are_refused_at_the_start_with_their_name(tmp_path):
+    # Only the validation runs (--tags kube_proxy_validate, check mode): it is what runs first
+    # on a real node too, before any package, file or service is touched.
+    for i, (extra, names) in enumerate([
+        ({"kube_proxy_extra_args": "--masquerade-all -v"}, ["kube_proxy_extra_args must be a list"]),
+        ({"kube_proxy_cluster_cidr": "10.244.0.0/16,10.245.0.0"},
+         ["kube_proxy_cluster_cidr: not a CIDR", "10.245.0.0"]),
+        # "k=v" passes the argument specs (converted there, but not for the role).
+        ({"kube_proxy_sysctls_extra": "net.ipv4.ip_forward=1"}, ["kube_proxy_sysctls_extra must be a mapping"]),
+    ]):
+        (tmp_path / str(i)).mkdir()
+        rc, out, seconds = run_site(tmp_path / str(i), "--check", "--tags", "kube_proxy_validate", **extra)
+        assert rc != 0, out[-3000:]
+        assert all(name in out for name in names), out[-3000:]
+        assert "Gather the facts" not in out  # refused before anything else ran
+        assert seconds < 60, seconds
+
+    rc, out, _seconds = run_site(tmp_path, "--check", "--tags", "kube_proxy_validate",
+                                 kube_proxy_cluster_cidr="10.244.0.0/16,10.245.0.0/16", kube_proxy_extra_args=["-v"])
+    assert rc == 0, out[-3000:]
