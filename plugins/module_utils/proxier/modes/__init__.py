@@ -65,6 +65,9 @@ class Mode:
     # The configuration section whose syncPeriod/minSyncPeriod replace the proxy's in this
     # mode (and whose --<section>-sync-period flags apply), "" for none.
     sync_section: str = ""
+    # Cleaned up before the others, whatever is configured: IPVS mode's chains jump to
+    # chains iptables mode's cleanup deletes (KUBE-MARK-MASQ), and its cleanup removes both.
+    cleanup_first: bool = False
 
     def _hook(self, attr: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{self.module}"), getattr(self, attr))
@@ -88,7 +91,8 @@ class Mode:
 
 REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("iptables", "iptables.proxier", "IptablesProxier", "iptables_mode_config", "cleanup_iptables"),
-    Mode("ipvs", "ipvs.proxier", "IpvsProxier", "ipvs_config", "cleanup_ipvs", sync_section="ipvs"),
+    Mode("ipvs", "ipvs.proxier", "IpvsProxier", "ipvs_config", "cleanup_ipvs", sync_section="ipvs",
+         cleanup_first=True),
     Mode("nftables", "nftables.proxier", "NftablesProxier", "nftables_config", "cleanup_nftables"),
 )}
 
@@ -103,10 +107,12 @@ def get(name: str) -> Optional[Mode]:
 
 
 def cleanup_order(configured: str) -> List[Mode]:
-    """Every mode, the configured one last (its errors are the ones that matter most and
-    its message comes last)."""
+    """Every mode: those marked ``cleanup_first``, then the others with the configured one
+    last (its errors are the ones that matter most and its message comes last)."""
     mode = get(configured)
-    return [m for m in REGISTRY.values() if m is not mode] + ([mode] if mode is not None else [])
+    first = [m for m in REGISTRY.values() if m.cleanup_first]
+    rest = [m for m in REGISTRY.values() if not m.cleanup_first and m is not mode]
+    return first + rest + ([mode] if mode is not None and mode not in first else [])
 
 
 def sync_section(name: str) -> str:
