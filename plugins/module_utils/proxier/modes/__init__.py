@@ -103,10 +103,11 @@ def get(name: str) -> Optional[Mode]:
 
 
 def cleanup_order(configured: str) -> List[Mode]:
-    """Every mode, the configured one last (its errors are the ones that matter most and
-    its message comes last)."""
-    mode = get(configured)
-    return [m for m in REGISTRY.values() if m is not mode] + ([mode] if mode is not None else [])
+    """Every mode, in reverse registry order: IPVS mode's chains jump to iptables mode's
+    KUBE-MARK-MASQ, so they must go before it (iptables-restore refuses to delete a chain
+    still referenced). ``configured`` is accepted for callers; the order does not depend
+    on it."""
+    return list(reversed(list(REGISTRY.values())))
 
 
 def sync_section(name: str) -> str:
