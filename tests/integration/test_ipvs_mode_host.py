@@ -205,3 +205,14 @@ def test_cleanup_in_iptables_mode_removes_ipvs_leftovers(node):
     assert "KUBE-" not in ipset_save(ns)
     again = run_proxy(ns, "--cleanup").stdout.rstrip()
     assert again.endswith("removed nothing (objects: chains, virtual services, links, sets)"), again
+
+
+def test_cleanup_in_ipvs_mode_removes_both_modes_rules(node):
+    """--cleanup --proxy-mode ipvs: IPVS mode's chains jump to KUBE-MARK-MASQ, so they must
+    go before iptables mode's cleanup deletes it (iptables-restore refused, EBUSY)."""
+    ns, state, proxier, _ipvs, _link = node
+    populate(state)
+    proxier.sync(force_full=True)
+    proc = run_proxy(ns, "--cleanup", "--proxy-mode", "ipvs")
+    assert "of ipvs mode" in proc.stdout, proc.stdout + proc.stderr
+    assert "KUBE-" not in save(ns) and "KUBE-" not in ipset_save(ns)

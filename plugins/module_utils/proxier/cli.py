@@ -216,7 +216,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
     """Remove what every mode leaves in the kernel, as upstream's --cleanup: a node switched
     from IPVS to iptables mode still has KUBE-IPVS-FILTER, kube-ipvs0 and the ipsets. The
-    configured mode goes last; a mode whose tools are missing never ran here."""
+    modes run in the registry's cleanup order (IPVS first: its chains use iptables mode's
+    KUBE-MARK-MASQ; then the configured one last); a mode whose tools are missing never ran here."""
     removed = []
     failed = []
     for each in modes.cleanup_order(mode.name):
