@@ -201,7 +201,7 @@ def test_a_healthy_fleet_rolls_out_in_the_batches_given(fleet):
     for name in NODES:
         assert any(c.startswith("KUBE-SVC-") for c in kube_chains(fleet.hostvars[name]["node_netns"]))
     # Two batches: node-a alone, then node-b and node-c together (one gate task per batch).
-    batches = [chunk for chunk in out.split("PLAY [")[1:]]
+    batches = out.split("PLAY [")[1:]
     assert len(batches) == 2, out[-4000:]
     assert "node-a" in batches[0] and "node-b" not in batches[0]
     assert "node-b" in batches[1] and "node-c" in batches[1] and "ok: [node-a]" not in batches[1]

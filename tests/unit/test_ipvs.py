@@ -905,6 +905,7 @@ def test_fast_listing_asks_netlink_when_a_real_server_came_in_between(monkeypatc
     sockopt_kernel = FakeSockoptKernel([(VS, [RS1])])
     reader = sockopt_reader(sockopt_kernel, monkeypatch)
     counts = reader.service_counts
+
     def stale_counts(capacity):  # listed before RS2 and RS3 were added
         found = counts(capacity)
         sockopt_kernel.services = [(VS, [RS1, RS2, RS3])]

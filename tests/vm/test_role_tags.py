@@ -60,5 +60,6 @@ def test_every_tag_runs_alone_in_check_mode_on_a_fresh_node(vm_lab: vmlab.VMLab,
     for tag, proc in results.items():
         assert "ok=" in proc.stdout and "failed=0" in proc.stdout, (tag, proc.stdout[-1500:])
     # Nothing was installed: check mode.
-    assert vm_lab.vms[0].ssh(["sh", "-c", "test ! -e /etc/systemd/system/kubenode-proxy.service && "
-                                           "test ! -e /opt/kubenode-proxy && echo clean"]).stdout.strip() == "clean"
+    script = "test ! -e /etc/systemd/system/kubenode-proxy.service && test ! -e /opt/kubenode-proxy && echo clean"
+    clean = ["sh", "-c", script]
+    assert vm_lab.vms[0].ssh(clean).stdout.strip() == "clean"

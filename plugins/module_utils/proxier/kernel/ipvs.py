@@ -1245,7 +1245,6 @@ class IPVSKernel:
             raise IPVSError(f"setting IPVS timeouts {values}{self._where()} failed: {os.strerror(codes[0])}",
                             codes[0])
 
-
     def apply(self, ops: Sequence[Op]) -> ApplyResult:
         """Apply operations in order, batched (one datagram per
         ``batch_size`` operations, one ack each). Never raises for refused
