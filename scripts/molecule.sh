@@ -24,9 +24,7 @@ collections=$(mktemp -d /tmp/kubenode-molecule.XXXXXX)
 trap 'rm -rf "$collections"' EXIT
 mkdir -p "$collections/ansible_collections/kubenode"
 ln -s "$root" "$collections/ansible_collections/kubenode/proxy"
-# The default paths stay on it: install-deps.sh puts the collections this one depends on in
-# /usr/share/ansible/collections.
-export ANSIBLE_COLLECTIONS_PATH="$collections:${ANSIBLE_COLLECTIONS_PATH:-$HOME/.ansible/collections:/usr/share/ansible/collections}"
+export ANSIBLE_COLLECTIONS_PATH="$collections${ANSIBLE_COLLECTIONS_PATH:+:$ANSIBLE_COLLECTIONS_PATH}"
 
 # Scenarios live in molecule/ (molecule 26 would look in extensions/molecule/ of a collection).
 export MOLECULE_GLOB="${MOLECULE_GLOB:-molecule/*/molecule.yml}"

@@ -14,8 +14,7 @@ antsibull-changelog lint
 suites=(tests/unit tests/integration)
 [ "${SKIP_VM:-0}" = 1 ] || suites+=(tests/vm)
 python3 -m pytest -p no:cacheprovider -ra "${suites[@]}" "$@"
-# The role's molecule scenario on two VMs (iptables and IPVS mode): check, converge, idempotence,
-# verify, uninstall (kube_proxy_state=absent) and re-install.
+# The role's molecule scenario on two VMs (iptables and IPVS mode): converge, idempotence, verify.
 [ "${SKIP_VM:-0}" = 1 ] || SKIP_INSTALL=1 bash scripts/molecule.sh
 # ansible-test sanity (24 tests: validate-modules, pylint, pep8, yamllint, ...)
 [ "${SKIP_SANITY:-0}" = 1 ] || bash scripts/sanity.sh
