@@ -14,7 +14,7 @@ for the benchmark).
 Output is data (:class:`ServiceNft` per service, :func:`infrastructure` once per node);
 :func:`render_full` turns it into ``nft -f`` text. No I/O and no clock in this module.
 Every value taken from an object reaches the text through kernel/text.py or
-backends/checked.py: an unwritable field raises model.ValidationError naming it.
+modes/checked.py: an unwritable field raises model.ValidationError naming it.
 """
 
 from __future__ import annotations
