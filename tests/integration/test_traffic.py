@@ -454,12 +454,14 @@ def test_daemon_follows_manifest_edits_and_removes_stale_udp_flows(cluster, tmp_
         wait_for(lambda: cluster.request("client", "10.96.0.10", 80, timeout=0.5).ok, 60, what="the first sync")
         assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
         # The endpoint change, a new service, and a UDP flow whose endpoint goes.
-        write_manifests(manifests, [*web([BACKENDS["be2"]]), svc("dns", "10.96.0.53", DNS),
+        new = [svc("new", "10.96.0.11", HTTP), eps("new", [BACKENDS["be1"]], HTTP_EP)]
+        write_manifests(manifests, [*web([BACKENDS["be2"]]), *new, svc("dns", "10.96.0.53", DNS),
                                     eps("dns", [BACKENDS["be1"]], DNS_EP)])
         wait_for(lambda: send(cluster.lab, "client", "10.96.0.53", 53, sport=41001, timeout=0.5) == "be1", 60)
         assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+        assert backends(cluster.request_many("client", "10.96.0.11", 80, count=3)) == Counter({"be1": 3})
         assert send(cluster.lab, "client", "10.96.0.53", 53, sport=41053) == "be1"  # the long-lived flow
-        write_manifests(manifests, [*web([BACKENDS["be2"]]), svc("dns", "10.96.0.53", DNS),
+        write_manifests(manifests, [*web([BACKENDS["be2"]]), *new, svc("dns", "10.96.0.53", DNS),
                                     eps("dns", [BACKENDS["be2"]], DNS_EP)])
         wait_for(lambda: send(cluster.lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2", 60)
         # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
