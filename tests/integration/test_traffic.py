@@ -17,10 +17,12 @@ scenario asserts each mode's own behaviour:
 - how each mode's kernel objects look, and what ``--cleanup`` must leave behind.
 
 IPVS needs ip_vs and dummy links: where this kernel lacks them (the build machine's) its
-cases skip with the probe's reason, and tests/vm/test_ipvs_proxy_mode.py runs them in the
-VM lab guest, which fails on any skip. The mode-specific in-process tests (partial syncs,
-canaries, repair) are in test_nftables_proxier.py, test_iptables_sync.py and
-test_ipvs_mode_host.py.
+cases skip with the probe's reason. They carry the expectations of the VM guest's
+tests/vm/guest/test_ipvs_proxy_traffic.py, which still runs IPVS traffic in the VM lab;
+pointing tests/vm/test_ipvs_proxy_mode.py at ``test_traffic.py -k ipvs`` instead (and
+deleting that file) waits for one complete VM run of these cases. The mode-specific
+in-process tests (partial syncs, canaries, repair) are in test_nftables_proxier.py,
+test_iptables_sync.py and test_ipvs_mode_host.py.
 """
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ def unavailable(mode: str) -> str | None:
     if mode == "ipvs":
         subprocess.run(["modprobe", "ip_vs"], capture_output=True, check=False)
         if not os.path.exists("/proc/net/ip_vs"):
-            return ("this kernel has no IPVS (modprobe ip_vs failed); "
-                    "tests/vm/test_ipvs_proxy_mode.py runs these in the VM lab guest")
+            return ("this kernel has no IPVS (modprobe ip_vs failed); IPVS traffic runs in the VM lab "
+                    "(tests/vm/guest/test_ipvs_proxy_traffic.py)")
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
         return f"{mode} mode needs {', '.join(missing)}"
