@@ -51,7 +51,8 @@ def test_the_proxier_logs_before_it_sets_and_skips_when_off(monkeypatch):
         calls.append((dict(values), netns))
         return {sysctl.ROUTE_LOCALNET: "0 -> 1"}
 
-    monkeypatch.setattr(sysctl, "ensure", fake_ensure)  # the real one: tests/integration/test_localhost_nodeports.py
+    # The real one: tests/integration/test_traffic.py::test_localhost_nodeports.
+    monkeypatch.setattr(sysctl, "ensure", fake_ensure)
     assert ensure_route_localnet(IptablesConfig(), "node-ns", logs.append) is True
     assert ensure_route_localnet(IptablesConfig(localhost_nodeports=False), "node-ns", logs.append) is False
     assert calls == [({sysctl.ROUTE_LOCALNET: 1}, "node-ns")]

@@ -6,7 +6,7 @@ above kernel/.
 
 ``nft`` rather than libnftables (python3-nftables): the binding is not installed on
 these nodes, and the cost of a large load is the kernel's and nft's parser either way
-(docs/nftables.md).
+(docs/nftables-mode.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Names and layout follow upstream's pkg/proxy/nftables (table ``kube-proxy``, the
 ``services``/``service-ips``/``service-nodeports`` verdict maps, ``service-*``,
 ``external-*``, ``local-*``, ``firewall-*``, ``endpoint-*`` chains, ``affinity-*`` sets).
-One difference, by measurement (docs/nftables.md): the endpoint choice is written as
+One difference, by measurement (docs/nftables-mode.md): the endpoint choice is written as
 chained ``numgen random mod k == 0 goto`` rules (iptables' statistic split) instead of
 upstream's anonymous ``numgen random mod N vmap { ... }`` per service, whose kernel load
 cost grows with the number of anonymous sets (``ENDPOINT_VMAP`` keeps upstream's form
@@ -66,7 +66,7 @@ class NftablesConfig:
     endpoint_selection: str = ENDPOINT_CHAINED
     # False (default): no endpoint-* chains, each endpoint's DNAT written into its service
     # chain, hairpin masquerade from one shared set: a quarter of the chains, and nft's
-    # per-invocation cache and the kernel's commit both cost per chain (docs/nftables.md
+    # per-invocation cache and the kernel's commit both cost per chain (docs/nftables-mode.md
     # has the numbers). True: upstream's endpoint-* chains.
     endpoint_chains: bool = False
 

@@ -1,9 +1,9 @@
-"""nftables mode on the real kernel: real TCP/UDP connections through service IPs.
-
-The scenarios of test_iptables_traffic.py, in nftables mode: ``kubenode-proxy --once
---proxy-mode nftables`` (a full sync per apply), plus in-process tests of what only a
-running proxier does: a partial sync, the canary check and repair, cleanup, and a hostile
-name that must never reach nft text. Topology: tests/integration/lab.py.
+"""nftables mode's proxier on the real kernel, in process: what only a running proxier
+does (partial syncs in both chain layouts, the canary check and repair, a failed apply,
+the hourly rewrite, conflicting claims, a hostile name that must never reach nft text),
+checked with real connections. The traffic scenarios every mode shares (``kubenode-proxy
+--proxy-mode nftables --once`` and the daemon) are in test_traffic.py. Topology:
+tests/integration/lab.py.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 from collections import Counter
 
 import pytest
-from proxyctl import eps, run_proxy, svc, tcp, write_manifests
+from proxyctl import eps, svc, tcp
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.nft import NftKernel
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
@@ -26,11 +26,9 @@ from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state impor
 TRIES = 40  # with 3 backends, P(one backend never chosen) = 3 * (2/3)^40 < 1e-6
 CLIENT_IP = "10.244.2.10"
 EXT_IP = "192.168.50.2"
-EXT2_IP = "192.168.50.3"
 BACKENDS = {"be1": "10.244.1.1", "be2": "10.244.1.2", "be3": "10.244.1.3"}
 HTTP = [tcp(80, "http")]
 HTTP_EP = [{"name": "http", "port": 8080, "protocol": "TCP"}]
-MODE = ("--proxy-mode", "nftables")
 # The default layout (endpoints inlined into service chains) and upstream's endpoint-* chains.
 LAYOUTS = pytest.mark.parametrize("endpoint_chains", [False, True], ids=["inlined", "endpoint-chains"])
 
@@ -42,174 +40,17 @@ def nft_table(netns: str) -> str:
 
 
 @pytest.fixture
-def cluster(lab, tmp_path):
+def cluster(lab):
     for name, ip in BACKENDS.items():
         lab.add_pod(name, ip)
     lab.add_client("client", CLIENT_IP)
     lab.add_external("ext", EXT_IP)
-    lab.add_external("ext2", EXT2_IP)
-    node = lab.ns("node")
-    manifests = tmp_path / "manifests"
-
-    def apply(objects, *args):
-        write_manifests(manifests, objects)
-        return run_proxy(node, "--once", *MODE, *args, manifests=manifests)
-
-    lab.apply = apply
     return lab
 
 
 def backends(replies):
     assert all(r.ok for r in replies), Counter(r.outcome for r in replies)
     return Counter(r.backend for r in replies)
-
-
-def test_cluster_ip_tcp_reaches_every_backend_without_masquerade_from_pods(cluster):
-    cluster.apply([svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
-    assert "service-ips" in nft_table(cluster.ns("node"))
-    assert "KUBE-" not in subprocess.run(["ip", "netns", "exec", cluster.ns("node"), "iptables-save"],
-                                         capture_output=True, text=True, check=True).stdout
-    replies = cluster.request_many("client", "10.96.0.10", 80, count=TRIES)
-    assert set(backends(replies)) == set(BACKENDS)
-    assert {r.seen_client for r in replies} == {CLIENT_IP}  # pod source kept
-
-
-def test_cluster_ip_from_outside_the_cluster_cidr_is_masqueraded(cluster):
-    cluster.apply([svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
-    for origin in ("ext", "node"):
-        replies = cluster.request_many(origin, "10.96.0.10", 80, count=TRIES)
-        assert set(backends(replies)) == set(BACKENDS)
-        assert {r.seen_client for r in replies} == {cluster.node_ip}, origin
-
-
-def test_udp_cluster_ip(cluster):
-    dns = [tcp(53, "dns", protocol="UDP")]
-    cluster.apply([svc("dns", "10.96.0.53", dns),
-                   eps("dns", BACKENDS.values(), [{"name": "dns", "port": 5353, "protocol": "UDP"}])])
-    replies = cluster.request_many("client", "10.96.0.53", 53, proto="udp", count=TRIES)
-    assert set(backends(replies)) == set(BACKENDS)
-
-
-def test_service_without_endpoints_rejects(cluster):
-    cluster.apply([svc("empty", "10.96.0.20", [tcp(80, "http", node_port=30020)], type="NodePort",
-                       externalIPs=["203.0.113.20"])])
-    assert cluster.request("client", "10.96.0.20", 80, timeout=1).outcome == "refused"
-    assert cluster.request("node", "10.96.0.20", 80, timeout=1).outcome == "refused"
-    assert cluster.request("ext", "203.0.113.20", 80, timeout=1).outcome == "refused"
-    assert cluster.request("ext", cluster.node_ip, 30020, timeout=1).outcome == "refused"
-
-
-def test_nodeport_cluster_policy_masquerades_and_local_policy_keeps_source(cluster):
-    cluster.apply([
-        svc("np", "10.96.0.30", [tcp(80, "http", node_port=30080)], type="NodePort"),
-        eps("np", BACKENDS.values(), HTTP_EP),
-        svc("npl", "10.96.0.31", [tcp(80, "http", node_port=30081)], type="NodePort", externalTrafficPolicy="Local"),
-        eps("npl", [BACKENDS["be1"]], HTTP_EP, node="node1", name="npl-a"),
-        eps("npl", [BACKENDS["be2"]], HTTP_EP, node="node2", name="npl-b"),
-        svc("npn", "10.96.0.32", [tcp(80, "http", node_port=30082)], type="NodePort", externalTrafficPolicy="Local"),
-        eps("npn", [BACKENDS["be3"]], HTTP_EP, node="node2"),
-    ])
-    replies = cluster.request_many("ext", cluster.node_ip, 30080, count=TRIES)
-    assert set(backends(replies)) == set(BACKENDS)
-    assert {r.seen_client for r in replies} == {cluster.node_ip}
-    # Local: only the local endpoint, and the client's own address arrives.
-    replies = cluster.request_many("ext", cluster.node_ip, 30081, count=10)
-    assert backends(replies) == Counter({"be1": 10})
-    assert {r.seen_client for r in replies} == {EXT_IP}
-    # Local with no local endpoint: dropped (no REJECT, so the client times out).
-    assert cluster.request("ext", cluster.node_ip, 30082, timeout=1).outcome == "timeout"
-    # Pods still reach it through the cluster IP (internal policy is Cluster).
-    assert backends(cluster.request_many("client", "10.96.0.32", 80, count=3)) == Counter({"be3": 3})
-
-
-def test_no_localhost_nodeports_as_upstream(cluster):
-    cluster.apply([svc("np", "10.96.0.30", [tcp(80, "http", node_port=30080)], type="NodePort"),
-                   eps("np", [BACKENDS["be1"]], HTTP_EP)])
-    assert cluster.request("node", cluster.node_ip, 30080).backend == "be1"
-    assert not cluster.request("node", "127.0.0.1", 30080, timeout=1).ok
-
-
-def test_external_ips(cluster):
-    cluster.apply([svc("ext", "10.96.0.40", HTTP, externalIPs=["203.0.113.40"]),
-                   eps("ext", BACKENDS.values(), HTTP_EP)])
-    replies = cluster.request_many("ext", "203.0.113.40", 80, count=TRIES)
-    assert set(backends(replies)) == set(BACKENDS)
-    assert {r.seen_client for r in replies} == {cluster.node_ip}  # Cluster policy: masqueraded
-
-
-def test_load_balancer_source_ranges(cluster):
-    cluster.apply([svc("lb", "10.96.0.50", [tcp(80, "http", node_port=30050)], type="LoadBalancer",
-                       loadBalancerSourceRanges=[f"{EXT_IP}/32"],
-                       status={"loadBalancer": {"ingress": [{"ip": "198.51.100.50"}]}}),
-                   eps("lb", BACKENDS.values(), HTTP_EP)])
-    assert set(backends(cluster.request_many("ext", "198.51.100.50", 80, count=TRIES))) == set(BACKENDS)
-    assert cluster.request("ext2", "198.51.100.50", 80, timeout=1).outcome == "timeout"
-    # NodePorts are not subject to source ranges (as upstream).
-    assert cluster.request("ext2", cluster.node_ip, 30050).ok
-
-
-def test_load_balancer_local_policy(cluster):
-    cluster.apply([svc("lbl", "10.96.0.51", [tcp(80, "http", node_port=30051)], type="LoadBalancer",
-                       externalTrafficPolicy="Local", healthCheckNodePort=32000,
-                       status={"loadBalancer": {"ingress": [{"ip": "198.51.100.51"}]}}),
-                   eps("lbl", [BACKENDS["be2"]], HTTP_EP)])
-    replies = cluster.request_many("ext", "198.51.100.51", 80, count=5)
-    assert backends(replies) == Counter({"be2": 5}) and {r.seen_client for r in replies} == {EXT_IP}
-
-
-def test_internal_traffic_policy_local(cluster):
-    cluster.apply([svc("itp", "10.96.0.60", HTTP, internalTrafficPolicy="Local"),
-                   eps("itp", [BACKENDS["be1"]], HTTP_EP, node="node1", name="itp-a"),
-                   eps("itp", [BACKENDS["be2"], BACKENDS["be3"]], HTTP_EP, node="node2", name="itp-b"),
-                   svc("itpn", "10.96.0.61", HTTP, internalTrafficPolicy="Local"),
-                   eps("itpn", [BACKENDS["be2"]], HTTP_EP, node="node2")])
-    assert backends(cluster.request_many("client", "10.96.0.60", 80, count=15)) == Counter({"be1": 15})
-    assert cluster.request("client", "10.96.0.61", 80, timeout=1).outcome == "timeout"
-
-
-def test_terminating_endpoints_serve_when_none_is_ready(cluster):
-    cluster.apply([svc("term", "10.96.0.65", HTTP),
-                   eps("term", [BACKENDS["be2"]], HTTP_EP, ready=False, serving=True, terminating=True)])
-    assert backends(cluster.request_many("client", "10.96.0.65", 80, count=5)) == Counter({"be2": 5})
-
-
-def test_client_ip_session_affinity_sticks(cluster):
-    cluster.apply([svc("sticky", "10.96.0.70", HTTP, sessionAffinity="ClientIP",
-                       sessionAffinityConfig={"clientIP": {"timeoutSeconds": 300}}),
-                   eps("sticky", BACKENDS.values(), HTTP_EP)])
-    first = backends(cluster.request_many("client", "10.96.0.70", 80, count=20))
-    assert len(first) == 1
-    # Without affinity the same client spreads over all backends.
-    cluster.apply([svc("sticky", "10.96.0.70", HTTP), eps("sticky", BACKENDS.values(), HTTP_EP)])
-    cluster.exec("node", ["conntrack", "-F"], check=False)
-    assert set(backends(cluster.request_many("client", "10.96.0.70", 80, count=TRIES))) == set(BACKENDS)
-
-
-def test_hairpin_is_masqueraded(cluster):
-    cluster.apply([svc("hp", "10.96.0.80", HTTP), eps("hp", [BACKENDS["be1"]], HTTP_EP)])
-    reply = cluster.request("be1", "10.96.0.80", 80)
-    assert reply.ok and reply.backend == "be1" and reply.seen_client == cluster.node_ip
-
-
-@LAYOUTS
-def test_only_hairpin_is_masqueraded_between_endpoints_of_one_service(cluster, endpoint_chains):
-    proxy = Proxy(cluster, endpoint_chains)
-    proxy.set(svc("hp", "10.96.0.80", HTTP), eps("hp", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
-    proxy.sync()
-    seen = {(r.backend, r.seen_client) for r in cluster.request_many("be1", "10.96.0.80", 80, count=TRIES)}
-    assert seen == {("be1", cluster.node_ip), ("be2", BACKENDS["be1"])}  # to itself: masqueraded; else not
-
-
-def test_cleanup_removes_the_table_and_leaves_other_tables(cluster):
-    node = cluster.ns("node")
-    cluster.nft("add table ip mine\nadd chain ip mine c\nadd rule ip mine c ip daddr 10.1.2.3 return\n")
-    cluster.apply([svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
-    assert nft_table(node)
-    run_proxy(node, *MODE, "--cleanup")
-    ruleset = cluster.exec("node", ["nft", "list", "ruleset"]).stdout
-    assert "kube-proxy" not in ruleset
-    assert "ip daddr 10.1.2.3 return" in ruleset
-    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "timeout"
 
 
 # --- in-process: partial syncs, canary, hostile text ---------------------------------------
@@ -234,6 +75,15 @@ class Proxy:
 
     def sync(self, **kw):
         return self.proxier.sync(**kw)
+
+
+def test_only_hairpin_is_masqueraded_between_endpoints_with_endpoint_chains(cluster):
+    # The default (inlined) layout: test_traffic.py's hairpin scenario, through the CLI.
+    proxy = Proxy(cluster, endpoint_chains=True)
+    proxy.set(svc("hp", "10.96.0.80", HTTP), eps("hp", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
+    proxy.sync()
+    seen = {(r.backend, r.seen_client) for r in cluster.request_many("be1", "10.96.0.80", 80, count=TRIES)}
+    assert seen == {("be1", cluster.node_ip), ("be2", BACKENDS["be1"])}  # to itself: masqueraded; else not
 
 
 @LAYOUTS
@@ -397,64 +247,6 @@ def test_periodic_full_sync_checks_then_syncs_partially_until_a_rewrite_is_due(c
     proxy.proxier.rewrite_period = 0
     assert proxy.sync(force_full=True).full
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
-
-
-@pytest.fixture
-def nft_daemon(cluster, tmp_path):
-    """kubenode-proxy --proxy-mode nftables as a daemon in the node, following a manifests
-    directory (``cluster.manifests``, log ``cluster.log``); SIGTERM after the test."""
-    import signal
-    import sys
-
-    from proxyctl import BIN
-
-    cluster.manifests = tmp_path / "daemon-manifests"
-    write_manifests(cluster.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
-    cluster.log = tmp_path / "daemon.log"
-    proc = cluster.spawn("node", [sys.executable, str(BIN), *MODE, "--manifests", str(cluster.manifests),
-                                  "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
-                                  "--nodeport-addresses", "192.168.50.0/24"], stdout=cluster.log)
-    cluster.daemon = proc
-    try:
-        yield cluster
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
-
-
-def test_daemon_in_nftables_mode_follows_manifest_edits_with_partial_syncs(nft_daemon):
-    from proxyctl import wait_for
-
-    lab = nft_daemon
-    wait_for(lambda: "10.96.0.10" in nft_table(lab.ns("node")), what="the first sync")
-    assert set(backends(lab.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
-    write_manifests(lab.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be2"]], HTTP_EP)])
-    wait_for(lambda: "10.244.1.1" not in nft_table(lab.ns("node")), what="the endpoint change")
-    assert backends(lab.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
-    text = lab.log.read_text()
-    assert "nftables mode" in text and "partial sync" in text, text
-    import signal
-
-    lab.daemon.send_signal(signal.SIGTERM)
-    assert lab.daemon.wait(10) == 0
-    assert backends(lab.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be2": 3})  # rules stay
-
-
-def test_daemon_in_nftables_mode_removes_a_stale_udp_flow(nft_daemon):
-    from proxyctl import wait_for
-    from test_conntrack_cleanup import send  # one datagram from a fixed source port
-
-    lab = nft_daemon
-    dns = [{"name": "dns", "port": 53, "protocol": "UDP"}]
-    dns_ep = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
-    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [BACKENDS["be1"]], dns_ep)])
-    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41001, timeout=0.5) == "be1")
-    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be1"  # the long-lived flow
-    write_manifests(lab.manifests, [svc("dns", "10.96.0.53", dns), eps("dns", [BACKENDS["be2"]], dns_ep)])
-    wait_for(lambda: send(lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2")
-    # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
-    assert send(lab, "client", "10.96.0.53", 53, sport=41053) == "be2"
 
 
 def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluster):
