@@ -68,6 +68,7 @@ class Daemon:
         self.rejected: Dict[str, str] = {}  # object key -> error, while it stays bad
         self._refused: Dict[str, str] = {}  # service key -> why the compiler refused it (last sync)
         self.last_result: Optional[SyncResult] = None
+        self.last_synced = False  # a sync completed: the first one's log line says what preceded it
         self.sync_failures = 0
         self._thread: Optional[threading.Thread] = None
         # As upstream's change tracker: trigger times from before the proxy started (an
@@ -228,7 +229,9 @@ class Daemon:
         return changed and self.hooks.node_changed(node)
 
     def _sync(self, full: bool) -> None:
+        t0 = time.monotonic()
         seen, node_changed = self._drain()
+        drained = time.monotonic() - t0
         result = self.proxier.sync(force_full=full or node_changed)
         now = time.time()
         self.last_result = result
@@ -243,7 +246,9 @@ class Daemon:
             what = f"; services changed: {', '.join(names[:5])}" + (f" (+{len(names) - 5} more)" if len(names) > 5
                                                                     else "") if names else ""
             count = len(self.rejected) + len(refused)
-            self.log(result.summary() + what + (f"; {count} objects rejected" if count else ""))
+            first = "" if self.last_synced else f"; queued objects parsed in {drained * 1000:.0f} ms before it"
+            self.log(result.summary() + what + (f"; {count} objects rejected" if count else "") + first)
+        self.last_synced = True
 
     def _check(self) -> bool:
         needed = self.proxier.check()
