@@ -229,9 +229,9 @@ class Daemon:
         return changed and self.hooks.node_changed(node)
 
     def _sync(self, full: bool) -> None:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         seen, node_changed = self._drain()
-        drained = time.monotonic() - t0
+        drained, drained_cpu = time.monotonic() - t0, time.thread_time() - cpu0
         result = self.proxier.sync(force_full=full or node_changed)
         now = time.time()
         self.last_result = result
@@ -246,7 +246,8 @@ class Daemon:
             what = f"; services changed: {', '.join(names[:5])}" + (f" (+{len(names) - 5} more)" if len(names) > 5
                                                                     else "") if names else ""
             count = len(self.rejected) + len(refused)
-            first = "" if self.last_synced else f"; queued objects parsed in {drained * 1000:.0f} ms before it"
+            first = "" if self.last_synced else (f"; queued objects parsed in {drained * 1000:.0f} ms "
+                                                f"(CPU {drained_cpu * 1000:.0f} ms) before it")
             self.log(result.summary() + what + (f"; {count} objects rejected" if count else "") + first)
         self.last_synced = True
 
