@@ -232,7 +232,7 @@ def test_canary_and_dispatch_flush_each_repaired_in_the_real_kernel(node, lab):
     lab.iptables_restore("*nat\n-F KUBE-SERVICES\n-X KUBE-PROXY-CANARY\nCOMMIT\n")
     assert proxier.check() and "nat" in proxier.pending_repair
     r = proxier.sync()
-    assert r.full and "canary" in r.repair and kernel.missing_canaries() == []
+    assert r.full and r.rules_written > 0 and kernel.missing_canaries() == []
     assert render(kube_rules(ns), include_builtin=True) == want
     link.delete()
     assert proxier.check() and "kube-ipvs0" in proxier.pending_repair
