@@ -412,22 +412,21 @@ class IptablesProxier(ProxierBase):
         the sources load (the manifests parse or the API list: seconds to tens of seconds at
         10,000 services), so that the first sync finds the listing done (1.3-3.4 s of the
         restart's first sync at 40,000 chains, mostly in ``nft``, off this process's CPU).
-        Only a large table's listing is kept (chain names and built-in chains: the record
-        vouches for the rest, and the token is checked again at the first sync, so a full
-        sync by anything else in between still invalidates it); a small table is read
-        whole at the first sync, as without a record. True when a prefetch started."""
+        Only a large table is listed (chain names and built-in chains: the record vouches
+        for the rest, and the token is checked again at the first sync, so a full sync by
+        anything else in between still invalidates it); a small table, or iptables-legacy's,
+        is read whole at the first sync, as without a record. True when a prefetch started."""
         if self.record is None or self._prefetch is not None:
             return False
 
         def run() -> None:
             t0 = time.monotonic()
             try:
-                snap = self.kernel.snapshot_for_full_sync()
+                snap = self.kernel.large_table_snapshot()  # None: small or legacy, read at the sync
             except Exception:  # the first sync reads the kernel itself, and reports
                 return
             self._prefetch_s = time.monotonic() - t0
-            if not snap.complete:
-                self._prefetched = snap
+            self._prefetched = snap
 
         self._prefetch = threading.Thread(target=run, name="prefetch", daemon=True)
         self._prefetch.start()
