@@ -725,10 +725,11 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     # Issue 11's bound is reconciled <= cold. Both times count from the process start, so the
     # fixed costs (Python, parsing the 6 MB manifests file, compiling 10k services) are in both.
     # The restart adopts what the clean shutdown recorded and writes only the chains the change
-    # touched; on a loaded machine the bound held in 3 of 6 runs (the restarted process was
-    # slower than the cold one before its first sync), so it is reported in the measurement
-    # line and the test guards 1.5x against regression (the rewrite it replaced measured 1.3-1.4x
-    # quiet, up to 1.5x loaded) while issue 11 stays open.
+    # touched. On 2 cores shared with other jobs the wall-time bound held in 3 of 10 runs: the
+    # daemon's logs show both starts doing the same CPU work before the first sync (the parse:
+    # 10-15 s of CPU in 48-176 s of wall time at load 10-18), so the wall time follows the
+    # other jobs' load. The test reports it, guards 1.5x against regression, and asserts the
+    # load-independent form below: the restart costs no more CPU to its first sync.
     # Where each start's time went: on a loaded 2-core machine the wall time is mostly
     # waiting for a CPU (a cold start at load 16: sources loaded in 68.6 s, 10.6 s of it CPU),
     # so the work each start cost (CPU, its tools included) is compared too, and asserted.
