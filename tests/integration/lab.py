@@ -631,8 +631,25 @@ class Lab:
         """
         return self._spawn(ns, argv, "proc", stdout)[0]
 
+    @property
+    def record_dir(self) -> Path:
+        """Where daemons run by this lab keep their restart record (``--record-dir``): in the
+        lab's work dir, removed with it, so that no test leaves files in /run/kubenode-proxy
+        (nor finds one a past lab left under a namespace inode the kernel reused)."""
+        return self._workdir / "run"
+
+    def daemon_argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` with ``--record-dir`` added after ``bin/kubenode-proxy`` when it runs the
+        daemon and names no record directory itself."""
+        argv = list(argv)
+        at = next((i for i, a in enumerate(argv) if str(a).endswith("bin/kubenode-proxy")), None)
+        if at is None or any(str(a).startswith("--record-dir") for a in argv):
+            return argv
+        return [*argv[:at + 1], "--record-dir", str(self.record_dir), *argv[at + 1:]]
+
     def _spawn(self, ns: str, argv: Sequence[str], log_name: str,
                stdout: Optional[Path] = None) -> tuple[subprocess.Popen[str], Path]:
+        argv = self.daemon_argv(argv)
         log = self._workdir / f"{log_name}-{len(self._processes)}.log"
         with log.open("w") as stderr, (stdout.open("w") if stdout else contextlib.nullcontext()) as out:
             proc = subprocess.Popen(["ip", "netns", "exec", self.ns(ns), *argv],

@@ -51,7 +51,8 @@ def cluster(lab, tmp_path):
     healthz, metrics = free_port(), free_port()
     log = open(tmp_path / "daemon.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, str(BIN), "--kubeconfig", str(kubeconfig), "--netns", lab.ns("node"),
+        [sys.executable, str(BIN), "--record-dir", str(lab.record_dir), "--kubeconfig", str(kubeconfig),
+         "--netns", lab.ns("node"),
          "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16", "--iptables-min-sync-period", "100ms",
          "--healthz-bind-address", f"127.0.0.1:{healthz}", "--metrics-bind-address", f"127.0.0.1:{metrics}"],
         stdout=log, stderr=subprocess.STDOUT, text=True)

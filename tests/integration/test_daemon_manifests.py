@@ -2,6 +2,7 @@
 traffic follows edits, a malformed object is logged and skipped, SIGTERM leaves rules."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -92,6 +93,10 @@ def test_sigterm_leaves_rules_in_place(daemon):
     assert lab.daemon.wait(10) == 0
     assert set(backends(lab, "10.96.0.10", 20)) == {"be1", "be2"}
     assert "KUBE-SERVICES" in save(lab.ns("node"), "nat")
+    # The record of what was left goes to the lab's --record-dir, never to /run/kubenode-proxy.
+    inode = os.stat(f"/run/netns/{lab.ns('node')}").st_ino
+    assert [p.name for p in lab.record_dir.iterdir()] == [f"iptables-applied-iptables-netns{inode}.json"]
+    assert f" chains written in {lab.record_dir}/" in lab.log.read_text()
 
 
 def http(lab, url):

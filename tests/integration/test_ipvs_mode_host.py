@@ -216,3 +216,29 @@ def test_cleanup_in_ipvs_mode_removes_both_modes_rules(node):
     proc = run_proxy(ns, "--cleanup", "--proxy-mode", "ipvs")
     assert "of ipvs mode" in proc.stdout, proc.stdout + proc.stderr
     assert "KUBE-" not in save(ns) and "KUBE-" not in ipset_save(ns)
+
+
+def test_canary_and_dispatch_flush_each_repaired_in_the_real_kernel(node, lab):
+    """Issue 11 item 1 for IPVS mode, its iptables part on this kernel: the every-second
+    check (three ``iptables -S`` and a link lookup, whatever the number of services) finds a
+    canary deleted or kube-ipvs0 gone and the sync it forces rewrites our rules; a flush of
+    nat KUBE-SERVICES alone keeps the canaries, so the check does not see it, and the periodic
+    full sync (every syncPeriod; it reads IPVS mode's few dozen iptables rules whole) repairs it."""
+    ns, state, proxier, _ipvs, link = node
+    populate(state)
+    proxier.sync()
+    want = render(kube_rules(ns), include_builtin=True)
+    kernel = IptablesKernel(netns=ns)
+    lab.iptables_restore("*nat\n-F KUBE-SERVICES\n-X KUBE-PROXY-CANARY\nCOMMIT\n")
+    assert proxier.check() and "nat" in proxier.pending_repair
+    r = proxier.sync()
+    assert r.full and r.rules_written > 0 and kernel.missing_canaries() == []
+    assert render(kube_rules(ns), include_builtin=True) == want
+    link.delete()
+    assert proxier.check() and "kube-ipvs0" in proxier.pending_repair
+    assert proxier.sync().full and link.exists and not proxier.check()
+    lab.iptables_restore("*nat\n-F KUBE-SERVICES\nCOMMIT\n")
+    assert render(kube_rules(ns), include_builtin=True) != want
+    assert not proxier.check()  # not detected every second: the canaries are intact
+    r = proxier.sync(force_full=True)  # what the runner does every syncPeriod
+    assert r.rules_written > 0 and render(kube_rules(ns), include_builtin=True) == want

@@ -427,6 +427,18 @@ def cold_start(node: Node, first: frozenset[str], timeout: float = 240.0) -> flo
     return seconds
 
 
+def start_cpu(log: str) -> Optional[float]:
+    """CPU seconds a daemon start cost up to its first sync, its tools (iptables-restore, nft)
+    included, from that sync's log line; None when not logged."""
+    m = re.search(r"CPU since the start [\d.]+ s, with the tools it ran ([\d.]+) s", log)
+    return float(m.group(1)) if m else None
+
+
+def loaded_line(log: str) -> str:
+    m = re.search(r"sources loaded in .*", log)
+    return m.group(0) if m else "-"
+
+
 def full_sync_ms(log: str) -> list[float]:
     return [float(m) for m in re.findall(r"full sync: .*? in (\d+) ms", log)]
 
@@ -713,12 +725,22 @@ def test_sigterm_keeps_rules_and_restart_reconciles_within_cold_sync(node10k, me
     # Issue 11's bound is reconciled <= cold. Both times count from the process start, so the
     # fixed costs (Python, parsing the 6 MB manifests file, compiling 10k services) are in both.
     # The restart adopts what the clean shutdown recorded and writes only the chains the change
-    # touched; on a loaded machine the bound held in 3 of 6 runs (the restarted process was
-    # slower than the cold one before its first sync), so it is reported in the measurement
-    # line and the test guards 1.5x against regression (the rewrite it replaced measured 1.3-1.4x
-    # quiet, up to 1.5x loaded) while issue 11 stays open.
+    # touched. On 2 cores shared with other jobs the wall-time bound held in 3 of 10 runs: the
+    # daemon's logs show both starts doing the same CPU work before the first sync (the parse:
+    # 10-15 s of CPU in 48-176 s of wall time at load 10-18), so the wall time follows the
+    # other jobs' load. The test reports it, guards 1.5x against regression, and asserts the
+    # load-independent form below: the restart costs no more CPU to its first sync.
+    # Where each start's time went: on a loaded 2-core machine the wall time is mostly
+    # waiting for a CPU (a cold start at load 16: sources loaded in 68.6 s, 10.6 s of it CPU),
+    # so the work each start cost (CPU, its tools included) is compared too, and asserted.
+    cold_log = (node.workdir / "daemon-1.log").read_text(errors="replace")
+    cold_cpu, restart_cpu = start_cpu(cold_log), start_cpu(log[log_len:])
     measurements.append(f"restart bound (reconciled <= cold): {'met' if reconciled <= cold else 'NOT met'} "
-                        f"({reconciled / cold:.2f}x)")
+                        f"({reconciled / cold:.2f}x); CPU to the first sync: cold {cold_cpu} s, restart "
+                        f"{restart_cpu} s; cold start: {loaded_line(cold_log)}; restart: {loaded_line(log[log_len:])}")
+    assert cold_cpu is not None and restart_cpu is not None, "a first sync did not log its CPU time"
+    assert restart_cpu <= cold_cpu, (f"the restart cost more CPU to its first sync ({restart_cpu} s) than the "
+                                     f"cold start ({cold_cpu} s)")
     assert reconciled <= RESTART_FACTOR * cold, (
         f"restart reconciled in {reconciled:.1f} s, more than {RESTART_FACTOR:g} x the cold sync ({cold:.1f} s) "
         f"of this run; first sync after the restart: {first.group(0) if first else 'not logged'}")

@@ -40,9 +40,15 @@ class RuleKernel:
     def netns_id(self):
         return "4026531840"
 
+    listings = 0
+
     def snapshot_for_full_sync(self):
+        self.listings += 1
         builtin = {k: list(v) for k, v in self.rules.items() if k[1] in ipt.BUILTIN_CHAINS}
         return Snapshot(builtin, set(self.rules), complete=False)
+
+    def large_table_snapshot(self):
+        return self.snapshot_for_full_sync()
 
     def builtin_snapshot(self):
         builtin = {k: list(v) for k, v in self.rules.items() if k[1] in ipt.BUILTIN_CHAINS}
@@ -252,3 +258,38 @@ def test_shared_chain_digest_ignores_order_owned_chain_digest_does_not():
 def test_record_path_is_per_namespace_and_binary():
     kernel = RuleKernel()
     assert record_path(kernel, "/run/x") == "/run/x/iptables-applied-iptables-netns4026531840.json"
+
+
+def test_the_listing_made_while_the_sources_load_is_used_by_the_first_sync(stopped):
+    kernel, path = stopped
+    state = cluster(moved=2)
+    proxier = IptablesProxier(state, CFG, kernel)
+    proxier.load_record(path)
+    before = kernel.listings
+    assert proxier.prefetch() and not proxier.prefetch()  # one listing, started once
+    result = proxier.sync()
+    assert result.restart.startswith("adopted") and "read while the sources loaded" in result.restart, result.restart
+    assert kernel.listings == before + 1 and kernel.ours() == expected(state)
+
+
+def test_a_full_sync_by_another_writer_after_the_listing_still_invalidates_the_record(stopped):
+    """The token is checked at the first sync, not when the chains were listed; the rewrite
+    then plans against a fresh listing, not the one made while the sources loaded."""
+    kernel, path = stopped
+    state = cluster(moved=1)
+    proxier = IptablesProxier(state, CFG, kernel)
+    proxier.load_record(path)
+    before = kernel.listings
+    proxier.prefetch()
+    proxier._prefetch.join()
+    IptablesProxier(cluster(n=6), CFG, kernel).sync()  # e.g. the Ansible module, meanwhile
+    kernel.restores.clear()
+    result = proxier.sync()
+    assert "its token is not in nat KUBE-PROXY-CANARY" in result.restart, result.restart
+    assert kernel.listings == before + 3  # the prefetch, the other writer's, and the fresh one
+    assert kernel.ours() == expected(state)
+
+
+def test_no_prefetch_without_a_record():
+    proxier = IptablesProxier(cluster(), CFG, RuleKernel())
+    assert not proxier.prefetch()

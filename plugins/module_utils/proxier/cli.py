@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import sys
 import time
@@ -21,6 +22,7 @@ from . import config as kpconfig
 from . import modes
 from .app import build_proxier, served_family
 from .kernel.iptables import IptablesKernel, KernelError
+from .provider import RECORD_DIR
 from .sources.manifests import DEFAULT_MAX_FILE_BYTES
 from .state import ProxyState
 
@@ -33,6 +35,16 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
     return value
+
+
+def _record_dir(text: str) -> str:
+    """``--record-dir``: an absolute path (the daemon runs as root under systemd, whose
+    working directory says nothing), not a file."""
+    if not text or "\0" in text or not os.path.isabs(text):
+        raise argparse.ArgumentTypeError(f"{text[:200]!r} is not an absolute path")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text[:200]} exists and is not a directory")
+    return os.path.normpath(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifests-max-file-bytes", type=_positive_int, default=DEFAULT_MAX_FILE_BYTES, metavar="BYTES",
                    help="refuse a manifests file larger than this (default 16 MiB; 10,000 Services take ~6 MB)")
     p.add_argument("--once", action="store_true", help="one sync, then exit (0 on success)")
+    p.add_argument("--record-dir", type=_record_dir, default=RECORD_DIR, metavar="DIR",
+                   help="where a clean shutdown records the rules it leaves, for the next start "
+                        f"(iptables mode; created 0700; default {RECORD_DIR}, which a reboot clears)")
     p.add_argument("--kubeconfig", help="kubeconfig for the API server (default: the config file's, or in-cluster)")
     p.add_argument("--master", help="API server address, overrides the kubeconfig's")
     p.add_argument("--healthz-bind-address", help="host:port of /healthz and /livez (default 127.0.0.1:10256)")

@@ -20,6 +20,12 @@ from .state import ProxyState
 T = TypeVar("T")
 
 
+# Where a clean shutdown records the rules it left for the next start (modes that record:
+# iptables); ``--record-dir`` overrides it. Under /run: a reboot, which empties the tables,
+# clears the record too.
+RECORD_DIR = "/run/kubenode-proxy"
+
+
 @dataclass
 class SyncResult:
     full: bool

@@ -121,9 +121,16 @@ class IptablesKernel:
     def snapshot_for_full_sync(self, tables: Sequence[str] = TABLES) -> Snapshot:
         """What a full sync needs: everything while the tables are small enough to read
         whole; above ``DIFF_MAX_CHAINS`` the chain names and the built-in chains only."""
+        large = self.large_table_snapshot(tables)
+        return large if large is not None else self.snapshot(tables)
+
+    def large_table_snapshot(self, tables: Sequence[str] = TABLES) -> Optional[Snapshot]:
+        """The chain names and the built-in chains' rules when the tables are too large to
+        read whole (above ``DIFF_MAX_CHAINS``, iptables-nft); None otherwise (small, or no
+        cheap listing: legacy), without reading any rule then."""
         chains = self.list_chains(tables)
         if chains is None or len(chains) <= self.diff_max_chains:
-            return self.snapshot(tables)
+            return None
         rules: Dict[ChainKey, List[str]] = {}
         for table in tables:
             for chain in BUILTIN_BY_TABLE[table]:
