@@ -66,6 +66,35 @@ class NftKernel:
                 out.extend(e.strip() for e in line[len("elements = {"):].rstrip("}").split(",") if e.strip())
         return out
 
+    def list_table(self, family: str, table: str) -> Optional[str]:
+        """``nft list table`` (the whole table: costs seconds at 10,000 services), or None
+        when there is no such table."""
+        try:
+            proc = self._run(self._argv("list", "table", family, table), capture_output=True, text=True,
+                             check=False, timeout=self.timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NftError(f"nft list table failed to run: {e}") from None
+        if proc.returncode == 0:
+            return proc.stdout
+        if "No such file or directory" in proc.stderr:
+            return None
+        raise NftError(f"nft list table failed ({proc.returncode}): {_first_lines(proc.stderr)}")
+
+    def scratch_listing(self, script: str, family: str, table: str) -> str:
+        """Load ``script`` into a new, empty network namespace (``unshare --net``, gone when
+        nft exits) and list ``table`` there: how this nft prints what ``script`` creates,
+        without touching the host's tables."""
+        argv = ["unshare", "--net", "sh", "-c", '"$1" -f - && "$1" list table "$2" "$3"', "sh",
+                self.binary, family, table]
+        try:
+            proc = self._run(self.prefix + argv, input=script, capture_output=True, text=True, check=False,
+                             timeout=self.timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NftError(f"unshare --net nft failed to run: {e}") from None
+        if proc.returncode != 0:
+            raise NftError(f"nft -f (scratch namespace) failed ({proc.returncode}): {_first_lines(proc.stderr)}")
+        return proc.stdout
+
 
 def _first_lines(text: str, n: int = 6) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
