@@ -11,7 +11,7 @@ DOCUMENTATION = r"""
 ---
 module: k8s_service_nftables
 short_description: Program one Kubernetes Service's kube-proxy nftables objects on a host
-version_added: 0.2.0
+version_added: 0.1.0
 description:
   - Writes (O(state=present)) or removes (O(state=absent)) the nftables objects that kube-proxy's
     nftables mode would program for one Service in the C(ip kube-proxy) table, with upstream's

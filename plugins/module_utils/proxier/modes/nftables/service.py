@@ -233,14 +233,15 @@ def plan_service(head: str, current: Optional[Dict[str, Obj]], wanted: Optional[
             if have is None:
                 declare.append(f"add chain {head} {cname}" + (f" {{ {decl} }}" if decl else ""))
                 changes.append(f"+chain {cname}")
-            elif have.rules == wanted[cname].rules:
+            elif cname in wanted and have.rules == wanted[cname].rules:
                 continue
             else:
                 flush.append(f"flush chain {head} {cname}")
                 changes.append(f"~chain {cname}")
             rules.extend(f"add rule {head} {cname} {r}" for r in infra.rules.get(cname, []))
         for sname in infra.sets:
-            want_own = {parse_element(t).key: t for t in wanted[sname].elements if not parse_element(t).comment}
+            want_own = {parse_element(t).key: t for t in (wanted[sname].elements if sname in wanted else ())
+                        if not parse_element(t).comment}
             have_own = {} if sname not in cur_objs else {
                 parse_element(t).key: t for t in cur_objs[sname].elements if not parse_element(t).comment}
             if sname not in infra.elements and not have_own:
