@@ -497,3 +497,23 @@ def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluste
     result = proxy.sync()
     assert result.full and not result.rejected
     assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be2": 5})
+
+
+def test_switching_between_iptables_and_nftables_removes_the_other_modes_rules(cluster):
+    from proxyctl import kube_chains
+
+    node = cluster.ns("node")
+    objects = [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)]
+    cluster.apply(objects, "--proxy-mode", "iptables")  # the last --proxy-mode wins
+    assert "KUBE-SERVICES" in kube_chains(node) and nft_table(node) == ""
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+    out = cluster.apply(objects)  # nftables mode (MODE)
+    assert "objects left by ipvs or iptables mode (this node runs nftables mode now)" in out.stdout, out.stdout
+    assert kube_chains(node) == [] and "10.96.0.10" in nft_table(node)
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+    out = cluster.apply(objects, "--proxy-mode", "iptables")
+    assert "removed 1 objects left by nftables mode" in out.stdout, out.stdout
+    assert nft_table(node) == "" and "KUBE-SERVICES" in kube_chains(node)
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)

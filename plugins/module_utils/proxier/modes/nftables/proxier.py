@@ -257,7 +257,8 @@ class NftablesProxier(ProxierBase):
     def cleanup(self) -> int:
         """Delete the table (every object we create lives in it). Returns 1 if it existed."""
         existed = self.kernel.table_exists(self.cfg.family, nc.TABLE)
-        self.kernel.apply(nc.cleanup_text(self.cfg))
+        if existed:  # at every start of another mode: no nft transaction when there is nothing
+            self.kernel.apply(nc.cleanup_text(self.cfg))
         self.applied = {}
         self._applied_cfg = None
         self.need_full = True
