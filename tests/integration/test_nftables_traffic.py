@@ -218,11 +218,12 @@ def test_cleanup_removes_the_table_and_leaves_other_tables(cluster):
 class Proxy:
     """An NftablesProxier on the lab's node namespace, fed objects directly."""
 
-    def __init__(self, lab, endpoint_chains=False):
+    def __init__(self, lab, endpoint_chains=False, service_cidrs=()):
         self.lab = lab
         self.state = ProxyState("node1")
         cfg = NftablesConfig(base=IptablesConfig(local_cidrs=("10.244.0.0/16",), localhost_nodeports=False,
-                                                 node_ips=(lab.node_ip,)), endpoint_chains=endpoint_chains)
+                                                 node_ips=(lab.node_ip,)), endpoint_chains=endpoint_chains,
+                             service_cidrs=tuple(service_cidrs))
         self.proxier = NftablesProxier(self.state, cfg, NftKernel(lab.ns("node")))
 
     def set(self, *objects):
@@ -517,3 +518,21 @@ def test_switching_between_iptables_and_nftables_removes_the_other_modes_rules(c
     assert "removed 1 objects left by nftables mode" in out.stdout, out.stdout
     assert nft_table(node) == "" and "KUBE-SERVICES" in kube_chains(node)
     assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("service_cidrs", [(), ("10.96.0.0/16",)], ids=["cidr-unknown", "cidr-known"])
+def test_unallocated_cluster_ip_is_dropped_when_the_service_cidr_is_known(cluster, service_cidrs):
+    # 10.96.0.99 (no Service holds it) belongs to the external host, routed there by the
+    # node: only the service-CIDR rule keeps a pod from reaching it.
+    cluster.exec("ext", ["ip", "addr", "add", "10.96.0.99/32", "dev", "lo"])
+    cluster.exec("ext", ["ip", "route", "add", "10.244.0.0/16", "via", cluster.node_ip])  # replies to the pod
+    cluster.exec("node", ["ip", "route", "add", "10.96.0.99/32", "via", EXT_IP])
+    cluster.start_server("ext")
+    proxy = Proxy(cluster, service_cidrs=service_cidrs)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    proxy.sync()
+    assert cluster.request("client", "10.96.0.10", 80).ok
+    assert cluster.request("client", "10.96.0.10", 81, timeout=1).outcome == "refused"  # a port no Service has
+    outcome = cluster.request("client", "10.96.0.99", 8080, timeout=1).outcome  # the echo server's port
+    assert outcome == ("timeout" if service_cidrs else "ok")
+    assert proxy.proxier.check() is False  # the extra rule is counted as written

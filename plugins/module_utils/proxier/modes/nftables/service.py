@@ -334,4 +334,3 @@ def _without(current: Optional[Dict[str, Obj]], v: View) -> Optional[Dict[str, O
     if current is None:
         return None
     return {n: o for n, o in current.items() if n not in v.chains and n not in v.sets}
-
