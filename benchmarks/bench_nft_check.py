@@ -35,7 +35,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "nftables_check.txt"
 
 def median_ms(fn, rounds: int) -> float:
     times = []
-    for _ in range(rounds):
+    for _round in range(rounds):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)

@@ -146,11 +146,7 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 try:
-    from ansible_collections.kubenode.proxy.plugins.module_utils.k8s_service import (  # noqa: F401 (flat_objects: tests)
-        ServiceModule,
-        flat_objects,
-        module_kwargs,
-    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.k8s_service import ServiceModule, module_kwargs
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import sysctl
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (
         IptablesKernel,

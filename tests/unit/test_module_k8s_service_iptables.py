@@ -26,7 +26,7 @@ FLAT = dict(name="web", namespace="shop", cluster_ip="10.96.0.10", type="NodePor
 
 
 def test_flat_options_become_api_objects():
-    svc, slices = mod.flat_objects(FLAT)
+    svc, slices = k8s_service.flat_objects(FLAT)
     parsed = parse_service(svc)
     sp = parsed.ports[0]
     assert (sp.cluster_ip, sp.port, sp.node_port, sp.external_ips) == ("10.96.0.10", 80, 30080, ("203.0.113.9",))
