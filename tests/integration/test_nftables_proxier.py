@@ -11,7 +11,7 @@ import subprocess
 from collections import Counter
 
 import pytest
-from proxyctl import eps, svc, tcp
+from proxyctl import eps, svc, tcp, write_manifests
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.nft import NftKernel
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
@@ -59,11 +59,12 @@ def backends(replies):
 class Proxy:
     """An NftablesProxier on the lab's node namespace, fed objects directly."""
 
-    def __init__(self, lab, endpoint_chains=False):
+    def __init__(self, lab, endpoint_chains=False, service_cidrs=()):
         self.lab = lab
         self.state = ProxyState("node1")
         cfg = NftablesConfig(base=IptablesConfig(local_cidrs=("10.244.0.0/16",), localhost_nodeports=False,
-                                                 node_ips=(lab.node_ip,)), endpoint_chains=endpoint_chains)
+                                                 node_ips=(lab.node_ip,)), endpoint_chains=endpoint_chains,
+                             service_cidrs=tuple(service_cidrs))
         self.proxier = NftablesProxier(self.state, cfg, NftKernel(lab.ns("node")))
 
     def set(self, *objects):
@@ -133,14 +134,15 @@ def test_affinity_added_and_removed_by_partial_syncs(cluster, endpoint_chains):
     assert "affinity-" not in nft_table(cluster.ns("node"))
 
 
-@pytest.mark.parametrize("damage", ["delete table ip kube-proxy", "flush ruleset"])
+@pytest.mark.parametrize("damage", ["delete table ip kube-proxy", "flush ruleset", "flush table ip kube-proxy",
+                                    "flush chain ip kube-proxy services", "flush chain ip kube-proxy nat-prerouting"])
 def test_canary_sees_the_damage_and_the_next_sync_repairs(cluster, damage):
     proxy = Proxy(cluster)
     proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
     proxy.sync()
     assert proxy.proxier.check() is False
     cluster.nft(damage + "\n")
-    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "timeout"
+    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome != "ok"
     assert proxy.proxier.check() is True
     assert proxy.proxier.pending_repair
     result = proxy.sync()  # asked for a partial sync: the pending repair makes it full
@@ -239,14 +241,56 @@ def test_periodic_full_sync_checks_then_syncs_partially_until_a_rewrite_is_due(c
     result = proxy.sync(force_full=True)
     assert result.full and "gone" in result.repair
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
-    # `flush table` empties the chains but not the sets: the canary cannot see it (a chain
-    # listing costs a second at 10,000 services); the hourly rewrite repairs it.
-    cluster.nft("flush table ip kube-proxy\n")
-    assert proxy.proxier.check() is False
-    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome == "timeout"
+    # A flushed service chain is not seen by the check (it counts the node-wide chains'
+    # rules only); the hourly rewrite repairs it. Traffic then hits the empty chain and
+    # returns unDNATed: nothing answers at the cluster IP.
+    service_chain = next(line.split()[1] for line in nft_table(cluster.ns("node")).splitlines()
+                         if line.strip().startswith("chain service-") and "/" in line)
+    cluster.nft(f"flush chain ip kube-proxy {service_chain}\n")
+    assert proxy.proxier.check() is False, proxy.proxier.pending_repair
+    assert cluster.request("client", "10.96.0.10", 80, timeout=1).outcome != "ok"
     proxy.proxier.rewrite_period = 0
     assert proxy.sync(force_full=True).full
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=5)) == Counter({"be2": 5})
+
+
+@pytest.fixture
+def nft_daemon(cluster, tmp_path):
+    """kubenode-proxy --proxy-mode nftables as a daemon in the node, following a manifests
+    directory (``cluster.manifests``, log ``cluster.log``); SIGTERM after the test."""
+    import signal
+    import sys
+
+    from proxyctl import BIN
+
+    cluster.manifests = tmp_path / "daemon-manifests"
+    write_manifests(cluster.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
+    cluster.log = tmp_path / "daemon.log"
+    proc = cluster.spawn("node", [sys.executable, str(BIN), "--proxy-mode", "nftables", "--manifests", str(cluster.manifests),
+                                  "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
+                                  "--nodeport-addresses", "192.168.50.0/24"], stdout=cluster.log)
+    cluster.daemon = proc
+    try:
+        yield cluster
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+
+
+@pytest.mark.parametrize("damage", ["flush table ip kube-proxy", "flush chain ip kube-proxy services"])
+def test_daemon_repairs_a_flushed_table_at_the_next_check(nft_daemon, damage):
+    from proxyctl import wait_for
+
+    lab = nft_daemon
+    wait_for(lambda: "10.96.0.10" in nft_table(lab.ns("node")), what="the first sync")
+    assert set(backends(lab.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+    lab.nft(damage + "\n")
+    # The check runs every second; the repair is a full rewrite. 15 s: a loaded 2-core machine.
+    wait_for(lambda: lab.request("client", "10.96.0.10", 80, timeout=1).ok, timeout=15, what="the repair")
+    assert set(backends(lab.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+    text = lab.log.read_text()
+    assert "(table or chain flushed?): our rules were flushed or deleted, repairing now" in text, text
 
 
 def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluster):
@@ -270,3 +314,41 @@ def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluste
     result = proxy.sync()
     assert result.full and not result.rejected
     assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be2": 5})
+
+
+def test_switching_between_iptables_and_nftables_removes_the_other_modes_rules(cluster):
+    from proxyctl import kube_chains
+
+    node = cluster.ns("node")
+    objects = [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)]
+    cluster.apply(objects, "--proxy-mode", "iptables")  # the last --proxy-mode wins
+    assert "KUBE-SERVICES" in kube_chains(node) and nft_table(node) == ""
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+    out = cluster.apply(objects)  # nftables mode (MODE)
+    assert "objects left by ipvs or iptables mode (this node runs nftables mode now)" in out.stdout, out.stdout
+    assert kube_chains(node) == [] and "10.96.0.10" in nft_table(node)
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+    out = cluster.apply(objects, "--proxy-mode", "iptables")
+    assert "removed 1 objects left by nftables mode" in out.stdout, out.stdout
+    assert nft_table(node) == "" and "KUBE-SERVICES" in kube_chains(node)
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("service_cidrs", [(), ("10.96.0.0/16",)], ids=["cidr-unknown", "cidr-known"])
+def test_unallocated_cluster_ip_is_dropped_when_the_service_cidr_is_known(cluster, service_cidrs):
+    # 10.96.0.99 (no Service holds it) belongs to the external host, routed there by the
+    # node: only the service-CIDR rule keeps a pod from reaching it.
+    cluster.exec("ext", ["ip", "addr", "add", "10.96.0.99/32", "dev", "lo"])
+    cluster.exec("ext", ["ip", "route", "add", "10.244.0.0/16", "via", cluster.node_ip])  # replies to the pod
+    cluster.exec("node", ["ip", "route", "add", "10.96.0.99/32", "via", EXT_IP])
+    cluster.start_server("ext")
+    proxy = Proxy(cluster, service_cidrs=service_cidrs)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP))
+    proxy.sync()
+    assert cluster.request("client", "10.96.0.10", 80).ok
+    assert cluster.request("client", "10.96.0.10", 81, timeout=1).outcome == "refused"  # a port no Service has
+    outcome = cluster.request("client", "10.96.0.99", 8080, timeout=1).outcome  # the echo server's port
+    assert outcome == ("timeout" if service_cidrs else "ok")
+    assert proxy.proxier.check() is False  # the extra rule is counted as written

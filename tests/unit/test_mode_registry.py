@@ -27,3 +27,12 @@ def test_every_mode_hook_resolves(name):
     mode = modes.get(name)
     for attr in ("proxier", "config", "cleanup"):
         assert callable(mode._hook(attr)), (name, attr)
+
+
+@pytest.mark.parametrize("configured,removed", [
+    ("nftables", ["ipvs", "iptables"]),  # IPVS first: its cleanup removes iptables mode's chains too
+    ("iptables", ["nftables"]),
+    ("ipvs", ["nftables"]),  # iptables and IPVS mode share iptables rules: as upstream, kept
+])
+def test_starting_a_mode_removes_the_other_backends_leftovers(configured, removed):
+    assert [m.name for m in modes.other_backends(configured)] == removed

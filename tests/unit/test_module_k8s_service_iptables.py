@@ -5,6 +5,7 @@ import json
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
+from ansible_collections.kubenode.proxy.plugins.module_utils import k8s_service
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import parse_endpoint_slice, parse_service
 from ansible_collections.kubenode.proxy.plugins.modules import k8s_service_iptables as mod
 
@@ -25,7 +26,7 @@ FLAT = dict(name="web", namespace="shop", cluster_ip="10.96.0.10", type="NodePor
 
 
 def test_flat_options_become_api_objects():
-    svc, slices = mod.flat_objects(FLAT)
+    svc, slices = k8s_service.flat_objects(FLAT)
     parsed = parse_service(svc)
     sp = parsed.ports[0]
     assert (sp.cluster_ip, sp.port, sp.node_port, sp.external_ips) == ("10.96.0.10", 80, 30080, ("203.0.113.9",))
@@ -141,9 +142,14 @@ def test_service_option_documents_exactly_the_refused_options():
     import re
 
     import yaml
-    doc = yaml.safe_load(mod.DOCUMENTATION)
+
+    from ansible_collections.kubenode.proxy.plugins.doc_fragments.k8s_service import ModuleDocFragment
+    from ansible_collections.kubenode.proxy.plugins.module_utils.k8s_service import FLAT_OPTIONS
+
+    doc = yaml.safe_load(ModuleDocFragment.DOCUMENTATION)
     refused = set(re.findall(r"O\((\w+)\)", doc["options"]["service"]["description"][1]))
-    assert refused == set(mod.FLAT_OPTIONS) | {"name"}
+    assert refused == set(FLAT_OPTIONS) | {"name"}
+    assert "kubenode.proxy.k8s_service" in yaml.safe_load(mod.DOCUMENTATION)["extends_documentation_fragment"]
 
 
 @pytest.fixture
@@ -156,7 +162,7 @@ def module_config(monkeypatch):
         self.module.exit_json(changed=False)
 
     monkeypatch.setattr(mod.ServiceIptables, "run", run)
-    monkeypatch.setattr(mod, "local_addresses", lambda: ["127.0.0.1", "192.168.50.1", "10.0.0.5"])
+    monkeypatch.setattr(k8s_service, "local_addresses", lambda: ["127.0.0.1", "192.168.50.1", "10.0.0.5"])
     return seen
 
 

@@ -198,3 +198,14 @@ def test_resolve_keeps_one_element_per_key_and_names_the_loser():
     assert own.owners[("service-ips", "1.2.3.4 . tcp . 80")] == "ns1/a"
     assert list(own.conflicts) == ["ns1/b"] and "already used by Service ns1/a" in own.conflicts["ns1/b"]
     assert nc.render_full(compiled, CFG).count("1.2.3.4 . tcp . 80 :") == 1
+
+
+def test_unallocated_cluster_ips_are_dropped_only_when_the_service_cidrs_are_known():
+    assert nc.infrastructure(CFG).rules["cluster-ips-check"] == [
+        'ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"']
+    cfg = replace(CFG, service_cidrs=("10.96.0.0/16", "fd00:96::/112", "172.30.0.1/24"))
+    assert nc.infrastructure(cfg).rules["cluster-ips-check"] == [
+        'ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"',
+        'ip daddr { 10.96.0.0/16, 172.30.0.0/24 } drop comment "Drop traffic to unallocated ClusterIPs"']
+    with pytest.raises(Exception, match="serviceCIDRs"):
+        nc.infrastructure(replace(CFG, service_cidrs=("10.96.0.0/16 } accept ; {",)))

@@ -10,12 +10,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import config as kpconfig
 from . import modes
 from .daemon import Daemon, Hooks, ManifestsWatcher
 from .endpoints import categorize
+from .errors import KernelError, Unavailable
 from .healthcheck import HealthCheckServers
 from .healthz import MetricsServer, ProxyHealthServer, health_timeout
 from .kernel.conntrack import ConntrackCleaner, ServiceTarget
@@ -60,7 +62,26 @@ def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kern
     mode = _mode(cfg)
     ctx = modes.Context(config=cfg, netns=netns, iptables=kernel, log=log or modes.quiet,
                         refresh=lambda: proxier_config(cfg, state, netns))
+    remove_other_backends(mode, ctx)
     return mode.build(state, proxier_config(cfg, state, netns), ctx)
+
+
+def remove_other_backends(mode: modes.Mode, ctx: modes.Context) -> int:
+    """As upstream at start: a node switched from iptables or IPVS mode to nftables mode (or
+    back) loses the other modes' rules, which would otherwise still catch its traffic. A
+    failure is logged, not fatal (upstream's too): the configured mode still starts."""
+    removed = 0
+    others = modes.other_backends(mode.name)
+    for other in others:
+        try:
+            removed += other.clean(replace(ctx, leftovers_only=True))
+        except (KernelError, Unavailable, OSError) as e:
+            ctx.log(f"could not remove what {other.name} mode left: {e}")
+    if removed:
+        # One line: IPVS mode's cleanup removes iptables mode's chains too.
+        names = " or ".join(m.name for m in others)
+        ctx.log(f"removed {removed} objects left by {names} mode (this node runs {mode.name} mode now)")
+    return removed
 
 
 class NodeHooks(Hooks):

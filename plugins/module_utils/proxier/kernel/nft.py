@@ -12,9 +12,10 @@ these nodes, and the cost of a large load is the kernel's and nft's parser eithe
 from __future__ import annotations
 
 import subprocess
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 from ..errors import KernelError, Unavailable
+from .nft_netlink import RuleCounter
 
 
 class NftError(KernelError):
@@ -27,6 +28,8 @@ class NftKernel:
     def __init__(self, netns: str = "", binary: str = "nft", runner: Callable = subprocess.run,
                  timeout: float = 300.0) -> None:
         self.prefix: List[str] = ["ip", "netns", "exec", netns] if netns else []
+        self.netns = netns
+        self._counter: Optional[RuleCounter] = None
         self.binary = binary
         self._run = runner
         self.timeout = timeout
@@ -65,6 +68,43 @@ class NftKernel:
             if line.startswith("elements = {"):
                 out.extend(e.strip() for e in line[len("elements = {"):].rstrip("}").split(",") if e.strip())
         return out
+
+    def rule_counts(self, family: str, table: str, chains: Iterable[str]) -> Dict[str, int]:
+        """Rules per chain over netlink (kernel/nft_netlink.py): about 0.1 ms a chain at any
+        table size, where ``nft list chain`` costs 0.5-0.7 s at 10,000 services. A chain (or
+        table) that is not there counts 0."""
+        if self._counter is None:
+            self._counter = RuleCounter(self.netns)
+        return {c: self._counter.rule_count(family, table, c) or 0 for c in chains}
+
+    def list_table(self, family: str, table: str) -> Optional[str]:
+        """``nft list table`` (the whole table: costs seconds at 10,000 services), or None
+        when there is no such table."""
+        try:
+            proc = self._run(self._argv("list", "table", family, table), capture_output=True, text=True,
+                             check=False, timeout=self.timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NftError(f"nft list table failed to run: {e}") from None
+        if proc.returncode == 0:
+            return proc.stdout
+        if "No such file or directory" in proc.stderr:
+            return None
+        raise NftError(f"nft list table failed ({proc.returncode}): {_first_lines(proc.stderr)}")
+
+    def scratch_listing(self, script: str, family: str, table: str) -> str:
+        """Load ``script`` into a new, empty network namespace (``unshare --net``, gone when
+        nft exits) and list ``table`` there: how this nft prints what ``script`` creates,
+        without touching the host's tables."""
+        argv = ["unshare", "--net", "sh", "-c", '"$1" -f - && "$1" list table "$2" "$3"', "sh",
+                self.binary, family, table]
+        try:
+            proc = self._run(self.prefix + argv, input=script, capture_output=True, text=True, check=False,
+                             timeout=self.timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NftError(f"unshare --net nft failed to run: {e}") from None
+        if proc.returncode != 0:
+            raise NftError(f"nft -f (scratch namespace) failed ({proc.returncode}): {_first_lines(proc.stderr)}")
+        return proc.stdout
 
 
 def _first_lines(text: str, n: int = 6) -> str:

@@ -68,6 +68,11 @@ class Mode:
     # Cleaned up before the others, whatever is configured: IPVS mode's chains jump to
     # chains iptables mode's cleanup deletes (KUBE-MARK-MASQ), and its cleanup removes both.
     cleanup_first: bool = False
+    # The kernel interface the mode's rules live in. iptables and IPVS mode share one (IPVS
+    # mode writes iptables rules, KUBE-MARK-MASQ among them); starting a mode removes the
+    # leftovers of the modes of the other backends, as upstream's platformCleanup does
+    # when a node switches between nftables and an iptables-based mode.
+    backend: str = "iptables"
 
     def _hook(self, attr: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{self.module}"), getattr(self, attr))
@@ -93,7 +98,8 @@ REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("iptables", "iptables.proxier", "IptablesProxier", "iptables_mode_config", "cleanup_iptables"),
     Mode("ipvs", "ipvs.proxier", "IpvsProxier", "ipvs_config", "cleanup_ipvs", sync_section="ipvs",
          cleanup_first=True),
-    Mode("nftables", "nftables.proxier", "NftablesProxier", "nftables_config", "cleanup_nftables"),
+    Mode("nftables", "nftables.proxier", "NftablesProxier", "nftables_config", "cleanup_nftables",
+         backend="nftables"),
 )}
 
 
@@ -113,6 +119,15 @@ def cleanup_order(configured: str) -> List[Mode]:
     first = [m for m in REGISTRY.values() if m.cleanup_first]
     rest = [m for m in REGISTRY.values() if not m.cleanup_first and m is not mode]
     return first + rest + ([mode] if mode is not None and mode not in first else [])
+
+
+def other_backends(configured: str) -> List[Mode]:
+    """The modes whose leftovers starting ``configured`` removes (those of another backend),
+    in cleanup order."""
+    mode = get(configured)
+    if mode is None:
+        return []
+    return [m for m in cleanup_order(configured) if m.backend != mode.backend]
 
 
 def sync_section(name: str) -> str:

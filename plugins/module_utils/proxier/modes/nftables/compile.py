@@ -69,6 +69,10 @@ class NftablesConfig:
     # per-invocation cache and the kernel's commit both cost per chain (docs/nftables-mode.md
     # has the numbers). True: upstream's endpoint-* chains.
     endpoint_chains: bool = False
+    # The service CIDRs, when known (upstream takes them from the ServiceCIDR objects):
+    # cluster-ips-check then drops new connections to addresses in them that no Service
+    # holds. Empty: not known, no such rule (as upstream).
+    service_cidrs: Tuple[str, ...] = ()
 
     @property
     def mark(self) -> str:
@@ -396,6 +400,10 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
         "firewall-check": [f"{af} daddr . meta l4proto . th dport vmap @{FIREWALL_IPS}"],
         REJECT_CHAIN: ["reject"],
     }
+    nets = [_net(text.cidr(c, "serviceCIDRs")) for c in cfg.service_cidrs if (":" in c) == (af == "ip6")]
+    if nets:
+        rules["cluster-ips-check"].append(f'{af} daddr {{ {", ".join(nets)} }} drop comment '
+                                          '"Drop traffic to unallocated ClusterIPs"')
     elements: Dict[str, List[str]] = {CANARY_SET: [CANARY_ELEMENT]}
     if not b.node_port_match_all:
         ips = [text.ip(ip, "nodePortAddresses") for ip in b.node_port_ips if (":" in ip) == (af == "ip6")]

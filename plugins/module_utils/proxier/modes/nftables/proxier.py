@@ -9,10 +9,12 @@ maps, the changed service chains, new and stale per-service objects. Nothing is 
 that path. Any failure makes the next sync a full one; the kernel keeps the previous
 table.
 
-Repair: ``check()``, run every second by the sync thread, lists the one-element
-``canary`` set (milliseconds at any size): gone or empty when someone deleted or flushed
-the table or the whole ruleset. The next sync is then a full one. A flush of one of our
-chains alone is repaired by the hourly rewrite.
+Repair: ``check()``, run every second by the sync thread, counts the rules of every
+node-wide chain over netlink (kernel/nft_netlink.py; about a millisecond at any table size):
+a deleted table, a ``flush table`` or a flushed dispatch chain changes a count (the sets
+survive a ``flush table``). The one-element ``canary`` set, listed with nft only then,
+names the cause (gone: the table was deleted). The next sync is then a full one. A flushed
+or edited per-service chain is not seen by it: the hourly rewrite repairs that.
 A periodic full sync (``force_full``) rewrites the table only once per ``rewrite_period``
 (as upstream's hourly full sync); in between it runs that check and a partial sync.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Optional, Set
 
-from ...errors import Unavailable
+from ...errors import KernelError, Unavailable
 from ...kernel.nft import NftKernel
 from ...model import ValidationError
 from ...provider import ProxierBase, SyncResult
@@ -71,6 +73,8 @@ class NftablesProxier(ProxierBase):
         # a rewrite costs seconds at 10,000 services.
         self.rewrite_period = 3600.0
         self._last_rewrite = float("-inf")
+        self._expected: Dict[str, int] = {}  # node-wide chain -> rules written (check())
+        self._expected_cfg: Optional[nc.NftablesConfig] = None
 
     @property
     def head(self) -> str:
@@ -216,21 +220,45 @@ class NftablesProxier(ProxierBase):
             no_endpoint_ports=c.get("no_endpoint_ports", 0))
 
     def check(self) -> bool:
-        """The every-second check: True when the table was deleted or flushed (the canary
-        base chain is gone or lost its rule) and the next sync must repair it."""
+        """The every-second check: True when the next sync must rewrite the table - a
+        node-wide chain (the base chains, the ``services`` dispatch, the checks,
+        masquerading) holds another number of rules than we wrote (``delete table``,
+        ``flush ruleset``, ``flush table``, ``flush chain``, a rule deleted or added). The
+        counts come over netlink: ~1 ms for all of them at 10,000 services. The canary set
+        (listed with nft, tens of ms) names the cause, or is the check when netlink cannot
+        be used."""
         if self.need_full or self._applied_cfg is None:
             return False  # a full sync is due anyway
-        elements = self.kernel.set_elements(self.cfg.family, nc.TABLE, nc.CANARY_SET)
-        if elements is not None and nc.CANARY_ELEMENT in elements:
+        expected = self._infra_counts()
+        try:
+            counts = self.kernel.rule_counts(self.cfg.family, nc.TABLE, expected)
+        except (KernelError, Unavailable):
+            counts = None  # cannot count: the canary alone decides
+        wrong = [c for c, n in expected.items() if counts is not None and counts.get(c) != n]
+        if counts is not None and not wrong:
             return False
-        self.pending_repair = (f"set {self.head} {nc.CANARY_SET} is gone (table deleted?)" if elements is None
-                               else f"set {self.head} {nc.CANARY_SET} is empty (table flushed?)")
+        elements = self.kernel.set_elements(self.cfg.family, nc.TABLE, nc.CANARY_SET)
+        if elements is None or nc.CANARY_ELEMENT not in elements:
+            self.pending_repair = (f"set {self.head} {nc.CANARY_SET} is gone (table deleted?)" if elements is None
+                                   else f"set {self.head} {nc.CANARY_SET} is empty (set flushed?)")
+            return True
+        if not wrong:
+            return False
+        self.pending_repair = (f"chain {self.head} {wrong[0]} has {counts.get(wrong[0])} rule(s), "
+                               f"{expected[wrong[0]]} written (table or chain flushed?)")
         return True
+
+    def _infra_counts(self) -> Dict[str, int]:
+        if self._expected_cfg is not self.cfg:
+            self._expected = {c: len(r) for c, r in nc.infrastructure(self.cfg).rules.items()}
+            self._expected_cfg = self.cfg
+        return self._expected
 
     def cleanup(self) -> int:
         """Delete the table (every object we create lives in it). Returns 1 if it existed."""
         existed = self.kernel.table_exists(self.cfg.family, nc.TABLE)
-        self.kernel.apply(nc.cleanup_text(self.cfg))
+        if existed:  # at every start of another mode: no nft transaction when there is nothing
+            self.kernel.apply(nc.cleanup_text(self.cfg))
         self.applied = {}
         self._applied_cfg = None
         self.need_full = True
