@@ -266,8 +266,9 @@ def nft_daemon(cluster, tmp_path):
     cluster.manifests = tmp_path / "daemon-manifests"
     write_manifests(cluster.manifests, [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)])
     cluster.log = tmp_path / "daemon.log"
-    proc = cluster.spawn("node", [sys.executable, str(BIN), "--proxy-mode", "nftables", "--manifests", str(cluster.manifests),
-                                  "--hostname-override", "node1", "--cluster-cidr", "10.244.0.0/16",
+    proc = cluster.spawn("node", [sys.executable, str(BIN), "--proxy-mode", "nftables",
+                                  "--manifests", str(cluster.manifests), "--hostname-override", "node1",
+                                  "--cluster-cidr", "10.244.0.0/16",
                                   "--nodeport-addresses", "192.168.50.0/24"], stdout=cluster.log)
     cluster.daemon = proc
     try:
