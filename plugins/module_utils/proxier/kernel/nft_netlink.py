@@ -3,7 +3,7 @@
 """How many rules one nftables chain holds, asked of the kernel over netlink.
 
 ``nft list chain`` fetches a cache of the whole table first (0.5-0.7 s at 10,000 services,
-docs/nftables.md); a rule dump request that names the table and the chain makes the kernel
+docs/nftables-mode.md); a rule dump request that names the table and the chain makes the kernel
 look the chain up by name and dump only its rules, so the cost does not grow with the
 table. The nftables mode's every-second check uses it to see a flushed table or chain.
 Imports nothing above kernel/.
