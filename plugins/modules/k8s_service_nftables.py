@@ -44,7 +44,7 @@ attributes:
     support: full
 options: {}
 requirements:
-  - nft (nftables) and unshare (util-linux) on the managed host
+  - nftables (the nft command line tool) on the managed host; unshare (util-linux, present on every Linux host)
 notes:
   - Run with root privileges. Kernel state is per network namespace.
   - The wanted objects are loaded into a throw-away network namespace (C(unshare --net)) and listed there,
