@@ -208,6 +208,9 @@ class IpvsProxier(ProxierBase):
         self._sets: Dict[str, Any] = {}  # ipset name -> kernel IPSet as last applied
         self._rules: Dict[ChainKey, List[str]] = {}  # iptables rules as last applied
         self._timeouts_done = False
+        # compiled destination -> its kernel form, from the last full sync (building and
+        # validating 20,000 kernel objects cost seconds of every full sync at 5,000 services)
+        self._kernel_states: Dict[ipvsc.Destination, kipvs.ServiceState] = {}
 
     @classmethod
     def create(cls, state: ProxyState, cfg: ipvsc.IpvsConfig, ctx: Any) -> IpvsProxier:
@@ -252,7 +255,13 @@ class IpvsProxier(ProxierBase):
         full = self._begin(force_full)
         self._restore_failed = False
         try:
-            result = self._full_sync(start) if full else self._partial_sync(changed, start)
+            if full:
+                # the whole sync, not only the compile: parsing 10,000+ listed kernel objects
+                # with the collector on cost as much again (nothing here makes cycles)
+                with paused_gc():
+                    result = self._full_sync(start)
+            else:
+                result = self._partial_sync(changed, start)
         except Exception:
             self._requeue(changed)
             raise
@@ -284,7 +293,7 @@ class IpvsProxier(ProxierBase):
         self._forget_gone_rejections()
         with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
             for key in self.state.service_keys():
-                agg.set(key, self._compile(key))
+                agg.add(key, self._compile(key))
             desired = agg.desired(self.cfg)
         compile_s = time.monotonic() - t0
         self.agg = agg
@@ -322,7 +331,9 @@ class IpvsProxier(ProxierBase):
         # 3. virtual services and real servers.
         try:
             current_vs = self.ipvs.services()
-            want = [_kernel_state(d) for d in desired.virtual_servers.values()]
+            known = self._kernel_states
+            self._kernel_states = {d: known.get(d) or _kernel_state(d) for d in desired.virtual_servers.values()}
+            want = list(self._kernel_states.values())
             changes += self._apply_ipvs(current_vs, want, lambda vs: not _excluded(vs.address, self.cfg.exclude_cidrs)
                                         and vs.family == (6 if self.cfg.ipv6 else 4), errors)
         except Exception as e:
