@@ -4,10 +4,9 @@ The build machine's kernel has no IPVS, so this boots one VM lab guest (tests/vm
 cached image), copies the checkout in and runs itself there with ``--guest`` (as root, in
 a fresh network namespace of the guest). Printed, in one run:
 
-* the kernel listing alone (``IPVSKernel.services()``) against the old per-service netlink
-  listing (``services_each()``, one GET_DEST dump per service), and that they are equal;
-* a cold full sync (empty kernel), a warm full sync (nothing to change) with the new
-  listing and with the old one, and one-endpoint-change (partial) syncs (median);
+* a cold full sync (empty kernel), a warm full sync (everything already right: writes
+  nothing) and one-endpoint-change (partial) syncs (median), each with the time of every
+  kernel phase (listing and writing IPVS, ipsets, kube-ipvs0 addresses, iptables);
 * with ``--profile``, the top functions of the warm full sync.
 
     python3 benchmarks/bench_ipvs_scale.py --services 5000          # boots a VM (~1 min)
@@ -45,12 +44,15 @@ def guest(n: int, changes: int, profile: bool) -> List[str]:
     loader.exec_module(binmod)
     binmod.setup_path()
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier import config as kpconfig
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.backends.iptables import IptablesConfig
-    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.ipvs_proxier import IpvsProxier, ipvs_config
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import IptablesKernel
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
         parse_endpoint_slice,
         parse_service,
+    )
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.iptables.compile import IptablesConfig
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.ipvs.proxier import (
+        IpvsProxier,
+        ipvs_config,
     )
     from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.state import ProxyState
 
@@ -87,57 +89,46 @@ def guest(n: int, changes: int, profile: bool) -> List[str]:
                     timed[name] = timed.get(name, 0.0) + time.perf_counter() - t0
             return wrapped
 
-        listing, applying = kernel.services, kernel.apply
-        kernel.apply = timer("ipvs apply", applying)
-        # the other kernel steps of a sync, timed the same way (where the rest goes)
+        # every kernel step of a sync, timed by phase (the rest is planning in Python)
         link, ipset, iptables = proxier.link, proxier.ipset, proxier.iptables
-        for obj, names, label in ((link, ("addresses", "add", "remove", "ensure"), "kube-ipvs0 addresses"),
-                                  (ipset, ("save", "restore"), "ipsets"),
-                                  (iptables, ("snapshot", "restore", "missing_canaries"), "iptables")):
+        for obj, names, label in ((kernel, ("info",), "setup"), (proxier.sysctls, ("ensure",), "setup"),
+                                  (link, ("ensure",), "setup"),
+                                  (kernel, ("services", "get"), "ipvs listing"), (kernel, ("apply",), "ipvs apply"),
+                                  (link, ("addresses", "add", "remove"), "kube-ipvs0 addresses"),
+                                  (ipset, ("save",), "ipset listing"), (ipset, ("restore",), "ipset restore"),
+                                  (iptables, ("snapshot", "missing_canaries"), "iptables listing"),
+                                  (iptables, ("restore",), "iptables restore")):
             for name in names:
                 setattr(obj, name, timer(label, getattr(obj, name)))
 
-        def full(label: str, list_fn: Callable[[], Any]) -> float:
-            timed.clear()
-            kernel.services = timer("ipvs listing", list_fn)
-            r = proxier.sync(force_full=True)
-            parts = ", ".join(f"{k} {v:.2f} s" for k, v in timed.items())
+        def report(label: str, r: Any) -> float:
+            parts = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(timed.items(), key=lambda kv: -kv[1]))
             rest = r.total_seconds - r.compile_seconds - sum(timed.values())
             lines.append(f"N={n}: {label}: {r.total_seconds:.2f} s (compile {r.compile_seconds:.2f} s, {parts}, "
                          f"other {rest:.2f} s; {r.virtual_servers} virtual servers, {r.real_servers} real servers, "
-                         f"{len(r.changes)} changes)")
+                         f"{r.addresses} addresses, {len(r.changes)} changes)")
             print(lines[-1], flush=True)
             return r.total_seconds
 
-        full("cold full sync (empty kernel)", listing)
-        news, olds = [], []
-        for _round in range(3):  # alternated: the host's load moves the guest's speed a lot
-            t0 = time.perf_counter()
-            new = kernel.services()
-            news.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            old = kernel.services_each()
-            olds.append(time.perf_counter() - t0)
-        lines.append(f"N={n}: listing alone (3 alternated runs): new {', '.join(f'{x:.2f}' for x in news)} s, "
-                     f"old per-service netlink {', '.join(f'{x:.2f}' for x in olds)} s; median old/new = "
-                     f"{statistics.median(olds) / statistics.median(news):.1f}x; equal: {new == old} "
-                     f"({len(new)} services, {sum(len(s.real_servers) for s in new)} real servers)")
+        def full(label: str) -> float:
+            timed.clear()
+            return report(label, proxier.sync(force_full=True))
+
+        full("cold full sync (empty kernel)")
+        warm = [full("warm full sync (nothing to change)") for _round in range(2)]
+        lines.append(f"N={n}: warm full sync, best of 2: {min(warm):.2f} s")
         print(lines[-1], flush=True)
-        warm = {"new": [], "old": []}
-        for _round in range(2):
-            warm["new"].append(full("warm full sync, new listing", listing))
-            warm["old"].append(full("warm full sync, old listing (services_each)", kernel.services_each))
-        lines.append(f"N={n}: warm full sync, best of 2: new {min(warm['new']):.2f} s, old {min(warm['old']):.2f} s")
-        print(lines[-1], flush=True)
-        kernel.services = listing
         times = []
         for g in range(1, changes + 1):
             state.set_slice(parse_endpoint_slice(endpoint_slice(g * 7 % n, generation=g)))
+            timed.clear()
             t0 = time.perf_counter()
             r = proxier.sync()
             times.append(time.perf_counter() - t0)
             if r.full or not r.changes:
                 raise RuntimeError(f"expected a partial sync with changes: {r.summary()}")
+            if g == 1:
+                report("one-endpoint-change sync (first)", r)
         lines.append(f"N={n}: one-endpoint-change sync: median {statistics.median(times) * 1000:.0f} ms, "
                      f"max {max(times) * 1000:.0f} ms over {changes} changes")
         print(lines[-1], flush=True)
@@ -147,10 +138,10 @@ def guest(n: int, changes: int, profile: bool) -> List[str]:
             proxier.sync(force_full=True)
             prof.disable()
             out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-            lines.append(f"N={n}: profile of a warm full sync (top 12 by own time; the profiler slows it):")
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+            lines.append(f"N={n}: profile of a warm full sync (top 15 by own time; the profiler slows it):")
             lines += ["    " + ln for ln in out.getvalue().splitlines() if ln.strip()][2:]
-            print("\n".join(lines[-14:]), flush=True)
+            print("\n".join(lines[-17:]), flush=True)
         return lines
     finally:
         if proxier is not None:

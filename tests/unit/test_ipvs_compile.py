@@ -505,6 +505,24 @@ def test_aggregate_partial_updates_equal_a_full_assemble():
     assert agg.desired(LAB_CFG).rules == ipvs.assemble(rest, LAB_CFG).rules
 
 
+def test_aggregate_add_builds_what_set_builds():
+    """Aggregate.add (full syncs: no Delta) leaves the same counts as set(): removing a
+    service afterwards gives the same delta from either."""
+    state = lab_like_state()
+    compiled = {k: ipvs.compile_service(state.ports_of(k), state.endpoints_for(k), LAB_CFG)
+                for k in state.service_keys()}
+    by_set, by_add = ipvs.Aggregate(), ipvs.Aggregate()
+    for k in sorted(compiled):
+        by_set.set(k, compiled[k])
+        by_add.add(k, compiled[k])
+    by_add.add("default/none", None)  # a service the compiler left out
+    assert vars(by_add) == vars(by_set)
+    assert by_add.desired(LAB_CFG) == ipvs.assemble(compiled, LAB_CFG)
+    assert by_add.set("default/lb", None) == by_set.set("default/lb", None)
+    by_add.add("default/web", None)  # already there: as set()
+    assert "default/web" not in by_add.services
+
+
 def test_aggregate_endpoint_change_touches_only_that_service():
     state = lab_like_state()
     agg = ipvs.Aggregate()

@@ -333,3 +333,29 @@ def test_ipvs_timeouts_unset_are_not_written():
     n.web()
     n.proxier.sync()
     assert n.ipvs.timeout_calls == []
+
+
+def test_full_sync_recompiles_only_services_whose_inputs_changed(monkeypatch):
+    """compile_service is pure: a full sync reuses a service's last result when its ports,
+    endpoints and config are equal, and the kernel state is the same as from a recompile."""
+    n = Node()
+    n.web()
+    n.apply([service("default", "other", "10.96.0.20", HTTP)],
+            [endpoint_slice("default", "other", [endpoint("10.244.2.1")], HTTP_EP)])
+    n.proxier.sync()
+    compiled = []
+    real = ipvsc.compile_service
+    monkeypatch.setattr(ipvsc, "compile_service",
+                        lambda ports, eps, cfg: compiled.append(ports) or real(ports, eps, cfg))
+    r = n.proxier.sync(force_full=True)
+    assert compiled == [] and r.changes == []
+    n.web(ips=("10.244.1.3",))  # one service's endpoints change
+    r = n.proxier.sync(force_full=True)
+    assert [p[0].name.name for p in compiled] == ["web"]
+    assert n.ipvs.summary()["10.96.0.10:80/TCP"] == ["10.244.1.3:8080"]
+    n.proxier.cfg = ipvsc.IpvsConfig(iptables=CFG.iptables, node_ips=CFG.node_ips, node_port_ips=CFG.node_port_ips,
+                                     primary_node_ip=CFG.primary_node_ip, scheduler="sh")
+    compiled.clear()
+    n.proxier.sync(force_full=True)  # another config: everything again
+    assert sorted(p[0].name.name for p in compiled) == ["other", "web"]
+    assert {vs.virtual.scheduler for vs in n.ipvs.services()} == {"sh"}

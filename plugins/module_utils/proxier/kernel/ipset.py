@@ -61,6 +61,7 @@ matches that use them) is in the sibling module ``ipset_specs``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import re
@@ -397,6 +398,19 @@ def normalize_entry(set_type: str, entry: str, family: str = "inet", *, port_ran
     """
     if not isinstance(entry, str):
         raise EntryError(set_name, entry, f"expected a string, got {type(entry).__name__}")
+    return list(_normalize_entry(set_type, entry, family, port_range, set_name))
+
+
+# Pure, and a full sync normalises the same entries every time (10,000 at 5,000
+# services: seconds in the VM lab): remembered (errors are raised, never cached).
+@functools.lru_cache(maxsize=1 << 17)
+def _normalize_entry(set_type: str, entry: str, family: str, port_range: Optional[str],
+                     set_name: str) -> Tuple[str, ...]:
+    return tuple(_normalize_entry_uncached(set_type, entry, family, port_range=port_range, set_name=set_name))
+
+
+def _normalize_entry_uncached(set_type: str, entry: str, family: str = "inet", *, port_range: Optional[str] = None,
+                              set_name: str = "") -> List[str]:
     value = entry.strip()
     if not value or ktext._BARE_TOKEN.fullmatch(value) is None:
         # One restore token (kernel/text.py): no blanks, quotes, controls or non-ASCII.
@@ -479,6 +493,7 @@ def _addr_key(text: str) -> Optional[Tuple[int, int]]:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 17)  # pure; the same entries are sorted at every full sync
 def entry_sort_key(entry: str) -> Tuple:
     """Sort entries numerically where they are addresses, networks and ports."""
     key: List[Tuple] = []

@@ -746,6 +746,8 @@ def plan(current: Iterable[ServiceState], desired: Iterable[ServiceState], *,
             continue
         if not target.virtual.same_config(have.virtual):
             out.ops.append(Op(EDIT_SERVICE, target.virtual))
+        elif set(have.real_servers) == set(target.real_servers):
+            continue  # every real server as wanted (the common case of a full sync): nothing to do
         wanted = {rs.key: rs for rs in target.real_servers}
         existing = {rs.key: rs for rs in have.real_servers}
         deletes: List[Op] = []

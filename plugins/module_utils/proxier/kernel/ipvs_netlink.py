@@ -366,18 +366,19 @@ def genl_attrs(payload: bytes) -> Tuple[int, Dict[int, bytes]]:
 # the socket
 
 
-def open_socket(netns: str = "") -> socket.socket:
-    """A raw NETLINK_GENERIC socket, in network namespace ``netns`` if given
-    (through pyroute2; ``flags=0``: never create a missing namespace)."""
+def open_socket(netns: str = "", proto: int = NETLINK_GENERIC) -> socket.socket:
+    """A raw netlink socket (NETLINK_GENERIC unless ``proto`` says otherwise), in
+    network namespace ``netns`` if given (through pyroute2; ``flags=0``: never
+    create a missing namespace)."""
     if netns:
         try:
             from pyroute2.netns import create_socket
         except ImportError as exc:
             raise Pyroute2Missing(f"a network namespace needs the Python package pyroute2: {exc}") from exc
         sock = create_socket(netns, family=socket.AF_NETLINK, socket_type=socket.SOCK_RAW,
-                             proto=NETLINK_GENERIC, flags=0)
+                             proto=proto, flags=0)
     else:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_GENERIC)
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, proto)
     try:
         sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)  # error acks without the request echoed
     except OSError:

@@ -208,6 +208,11 @@ class IpvsProxier(ProxierBase):
         self._sets: Dict[str, Any] = {}  # ipset name -> kernel IPSet as last applied
         self._rules: Dict[ChainKey, List[str]] = {}  # iptables rules as last applied
         self._timeouts_done = False
+        # compiled destination -> its kernel form, from the last full sync (building and
+        # validating 20,000 kernel objects cost seconds of every full sync at 5,000 services)
+        self._kernel_states: Dict[ipvsc.Destination, kipvs.ServiceState] = {}
+        # service key -> (ports, endpoints, config, result) of its last successful compile
+        self._compiled: Dict[str, Tuple[Any, Any, ipvsc.IpvsConfig, ipvsc.ServiceIPVS]] = {}
 
     @classmethod
     def create(cls, state: ProxyState, cfg: ipvsc.IpvsConfig, ctx: Any) -> IpvsProxier:
@@ -242,9 +247,24 @@ class IpvsProxier(ProxierBase):
 
     def _compile(self, key: str) -> Optional[ipvsc.ServiceIPVS]:
         """One service's state; a service the compiler refuses is named in ``rejected`` and
-        keeps its last good state (self.agg holds what was applied), or is left out."""
-        return self._compile_checked(key, lambda: ipvsc.compile_service(
-            self.state.ports_of(key), self.state.endpoints_for(key), self.cfg), self.agg.services.get(key))
+        keeps its last good state (self.agg holds what was applied), or is left out.
+
+        compile_service is pure: a service whose ports, endpoints and config equal those
+        of its last successful compile gets that result again (a full sync at 5,000
+        services spent seconds in the VM lab recompiling what had not changed)."""
+        ports, eps = self.state.ports_of(key), self.state.endpoints_for(key)
+        memo = self._compiled.get(key)
+        if (memo is not None and key in self.state.services and (memo[2] is self.cfg or memo[2] == self.cfg)
+                and memo[0] == ports and memo[1] == eps):
+            self.rejected.pop(key, None)
+            return memo[3]
+        self._compiled.pop(key, None)
+
+        def compile_fn() -> ipvsc.ServiceIPVS:
+            result = ipvsc.compile_service(ports, eps, self.cfg)
+            self._compiled[key] = (ports, eps, self.cfg, result)
+            return result
+        return self._compile_checked(key, compile_fn, self.agg.services.get(key))
 
     def sync(self, force_full: bool = False) -> IpvsSyncResult:
         start = time.monotonic()
@@ -252,7 +272,13 @@ class IpvsProxier(ProxierBase):
         full = self._begin(force_full)
         self._restore_failed = False
         try:
-            result = self._full_sync(start) if full else self._partial_sync(changed, start)
+            if full:
+                # the whole sync, not only the compile: parsing 10,000+ listed kernel objects
+                # with the collector on cost as much again (nothing here makes cycles)
+                with paused_gc():
+                    result = self._full_sync(start)
+            else:
+                result = self._partial_sync(changed, start)
         except Exception:
             self._requeue(changed)
             raise
@@ -284,7 +310,8 @@ class IpvsProxier(ProxierBase):
         self._forget_gone_rejections()
         with paused_gc():  # see gcpause.py: the collector's scans were half of a large compile
             for key in self.state.service_keys():
-                agg.set(key, self._compile(key))
+                agg.add(key, self._compile(key))
+            self._compiled = {k: v for k, v in self._compiled.items() if k in self.state.services}
             desired = agg.desired(self.cfg)
         compile_s = time.monotonic() - t0
         self.agg = agg
@@ -322,7 +349,9 @@ class IpvsProxier(ProxierBase):
         # 3. virtual services and real servers.
         try:
             current_vs = self.ipvs.services()
-            want = [_kernel_state(d) for d in desired.virtual_servers.values()]
+            known = self._kernel_states
+            self._kernel_states = {d: known.get(d) or _kernel_state(d) for d in desired.virtual_servers.values()}
+            want = list(self._kernel_states.values())
             changes += self._apply_ipvs(current_vs, want, lambda vs: not _excluded(vs.address, self.cfg.exclude_cidrs)
                                         and vs.family == (6 if self.cfg.ipv6 else 4), errors)
         except Exception as e:
@@ -574,6 +603,8 @@ class IpvsProxier(ProxierBase):
         except Exception as e:
             errors.append(f"ipsets: {e}")
         self.agg = ipvsc.Aggregate()
+        self._compiled = {}
+        self._kernel_states = {}
         self._sets = {}
         self._rules = {}
         self.pending = {}
