@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -40,3 +41,29 @@ def run_tasks(interpreter: Path, tmp_path: Path, tasks: Sequence[Dict[str, Any]]
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(results.read_text())
+
+
+# The Service both module playbook tests (iptables and nftables) program, its pods and client.
+PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
+WEB = dict(name="web", namespace="shop", cluster_ip="10.96.0.10", cluster_cidr="10.244.0.0/16",
+           ports=[dict(name="http", port=80, target_port=8080)],
+           endpoints=[dict(address=ip, node_name="node1") for ip in PODS.values()])
+DB = dict(name="db", namespace="shop", cluster_ip="10.96.0.11", cluster_cidr="10.244.0.0/16",
+          ports=[dict(name="pg", port=5432, target_port=8080)], endpoints=[dict(address=PODS["be2"])])
+
+
+def module_node(lab: Any, tmp_path: Path) -> Any:
+    """The lab's node with PODS and a client; Ansible runs the modules inside the node."""
+    for name, ip in PODS.items():
+        lab.add_pod(name, ip)
+    lab.add_client("client", "10.244.2.10")
+    lab.wrapper = python_in(lab, "node", tmp_path)
+    lab.tmp = tmp_path
+    return lab
+
+
+def backends(lab: Any, ip: str, port: int, count: int = 20) -> set:
+    """The backends that answered ``count`` connections to ip:port (every one must answer)."""
+    replies = lab.request_many("client", ip, port, count=count)
+    assert all(r.ok for r in replies), Counter(r.outcome for r in replies)
+    return set(r.backend for r in replies)

@@ -4,25 +4,18 @@ the service IP after the module ran."""
 from __future__ import annotations
 
 import subprocess
-from collections import Counter
 
 import pytest
-from playbook import python_in, run_tasks
+from playbook import DB, PODS, WEB, backends, module_node, run_tasks
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.service import parse_table, view
 
-PODS = {"be1": "10.244.1.1", "be2": "10.244.1.2"}
 MODULE = "kubenode.proxy.k8s_service_nftables"
 
 
 @pytest.fixture
 def node(lab, tmp_path):
-    for name, ip in PODS.items():
-        lab.add_pod(name, ip)
-    lab.add_client("client", "10.244.2.10")
-    lab.wrapper = python_in(lab, "node", tmp_path)  # Ansible runs the module inside the node
-    lab.tmp = tmp_path
-    return lab
+    return module_node(lab, tmp_path)
 
 
 def play(lab, tasks, *flags):
@@ -33,19 +26,6 @@ def table(lab) -> str:
     proc = subprocess.run(["ip", "netns", "exec", lab.ns("node"), "nft", "list", "table", "ip", "kube-proxy"],
                           capture_output=True, text=True, check=False)
     return proc.stdout if proc.returncode == 0 else ""
-
-
-WEB = dict(name="web", namespace="shop", cluster_ip="10.96.0.10", cluster_cidr="10.244.0.0/16",
-           ports=[dict(name="http", port=80, target_port=8080)],
-           endpoints=[dict(address=ip, node_name="node1") for ip in PODS.values()])
-DB = dict(name="db", namespace="shop", cluster_ip="10.96.0.11", cluster_cidr="10.244.0.0/16",
-          ports=[dict(name="pg", port=5432, target_port=8080)], endpoints=[dict(address=PODS["be2"])])
-
-
-def backends(lab, ip, port, count=20):
-    replies = lab.request_many("client", ip, port, count=count)
-    assert all(r.ok for r in replies), Counter(r.outcome for r in replies)
-    return set(r.backend for r in replies)
 
 
 def test_check_mode_changes_nothing_and_reports_the_change(node):
