@@ -158,4 +158,3 @@ class RtnlAddresses:
                         codes[pending.pop(seq)] = -struct.unpack_from("=i", payload)[0]
             out.extend(zip(chunk, codes))
         return out
-
