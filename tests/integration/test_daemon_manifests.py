@@ -125,12 +125,14 @@ def test_healthz_and_metrics_follow_sync_failures(lab, tmp_path):
                               "--cluster-cidr", "10.244.0.0/16", "--iptables-min-sync-period", "100ms",
                               "--iptables-sync-period", "1s"])
     try:
-        wait_for(lambda: http(lab, "http://127.0.0.1:10256/healthz")[0] == 200)
+        # /healthz answers 200 before the first sync too (nothing is late yet, as upstream):
+        # wait for the first sync in the metrics, then read both.
+        wait_for(lambda: metric(http(lab, "http://127.0.0.1:10249/metrics")[1],
+                                "kubeproxy_sync_proxy_rules_duration_seconds_count") >= 1)
         code, body = http(lab, "http://127.0.0.1:10256/healthz")
-        assert '"nodeEligible":true' in body and '"lastUpdated"' in body
+        assert code == 200 and '"nodeEligible":true' in body and '"lastUpdated"' in body
         assert http(lab, "http://127.0.0.1:10256/livez")[0] == 200
         text = http(lab, "http://127.0.0.1:10249/metrics")[1]
-        assert metric(text, "kubeproxy_sync_proxy_rules_duration_seconds_count") >= 1
         assert metric(text, 'kubeproxy_sync_proxy_rules_iptables_total{table="nat"}') > 0
         # Another program jumps to one of our endpoint chains: deleting that chain now fails
         # ("busy") on every attempt, so syncs keep failing until the foreign rule is gone.

@@ -317,10 +317,17 @@ def test_two_services_claiming_one_external_ip_port_do_not_break_the_sync(cluste
     assert backends(cluster.request_many("ext", "203.0.113.40", 80, count=5)) == Counter({"be2": 5})
 
 
-def test_switching_between_iptables_and_nftables_removes_the_other_modes_rules(cluster):
-    from proxyctl import kube_chains
+def test_switching_between_iptables_and_nftables_removes_the_other_modes_rules(cluster, tmp_path):
+    from proxyctl import kube_chains, run_proxy
 
     node = cluster.ns("node")
+    manifests = tmp_path / "manifests"
+
+    def apply(objects, *args):  # `--once` in nftables mode unless args name another
+        write_manifests(manifests, objects)
+        return run_proxy(node, "--once", "--proxy-mode", "nftables", *args, manifests=manifests)
+
+    cluster.apply = apply
     objects = [svc("web", "10.96.0.10", HTTP), eps("web", BACKENDS.values(), HTTP_EP)]
     cluster.apply(objects, "--proxy-mode", "iptables")  # the last --proxy-mode wins
     assert "KUBE-SERVICES" in kube_chains(node) and nft_table(node) == ""

@@ -142,15 +142,16 @@ class NodeHooks(Hooks):
         return True
 
     def synced(self, result: SyncResult, latencies: List[float]) -> None:
-        self.health.updated()
-        if self.pending():
-            # Changes queued while this sync ran are not in the kernel yet.
-            self.health.queued_update()
+        # Metrics first: once /healthz reports this sync, /metrics already counts it.
         self.metrics.observe_sync(result.total_seconds, result.full)
         for seconds in latencies:
             self.metrics.network_programming_latency.observe(max(0.0, seconds))
         for table, count in self.proxier.rule_counts().items():
             self.metrics.iptables_rules_total.labels(table=table).set(count)
+        self.health.updated()
+        if self.pending():
+            # Changes queued while this sync ran are not in the kernel yet.
+            self.health.queued_update()
         keys = set(self.state.services) if result.full else result.changed
         self._health_checks(keys)
         self._conntrack(keys)

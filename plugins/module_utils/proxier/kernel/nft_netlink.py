@@ -21,6 +21,10 @@ from ..errors import KernelError, Unavailable
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
+NFT_MSG_NEWTABLE = 0
+NFT_MSG_GETTABLE = 1
+NFTA_TABLE_NAME = 1
+NLM_F_ACK = 0x4
 NFT_MSG_NEWRULE = 6
 NFT_MSG_GETRULE = 7
 NFTA_RULE_TABLE = 1
@@ -86,6 +90,45 @@ class RuleCounter:
             except OSError as e:
                 self.close()  # a timed-out socket may still get the old answer: start afresh
                 raise NetlinkError(f"nftables rule dump of {family} {table} {chain} failed: {e}") from None
+
+    def table_exists(self, family: str, table: str) -> bool:
+        """Whether the kernel has the table: one GETTABLE request naming it. ``nft list
+        tables`` fetches every rule of every table first: 7-9 s of system time beside
+        iptables-nft's 110,000 rules at 10,000 services, at every start of the other modes."""
+        with self._lock:
+            try:
+                return self._get_table(family, table)
+            except OSError as e:
+                self.close()
+                raise NetlinkError(f"nftables table lookup of {family} {table} failed: {e}") from None
+
+    def _get_table(self, family: str, table: str) -> bool:
+        sock = self._socket()
+        self._seq += 1
+        seq = self._seq
+        body = struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_TABLE_NAME, table.encode() + b"\0")
+        kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
+        sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body)
+        found = False
+        while True:
+            data = sock.recv(1 << 16)
+            offset = 0
+            while offset + _HDR.size <= len(data):
+                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
+                if length < _HDR.size:
+                    raise NetlinkError("malformed netlink message")
+                if mseq == seq:
+                    if mtype == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
+                        found = True
+                    elif mtype == NLMSG_ERROR:
+                        (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
+                        if code == 0:
+                            return found
+                        if -code == errno.ENOENT:
+                            return False
+                        raise NetlinkError(f"nftables table lookup of {family} {table}: "
+                                           f"{errno.errorcode.get(-code, -code)}")
+                offset += (length + 3) & ~3
 
     def _dump(self, family: str, table: str, chain: str) -> Optional[int]:
         sock = self._socket()
