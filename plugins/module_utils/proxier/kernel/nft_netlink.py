@@ -103,42 +103,25 @@ class RuleCounter:
                 raise NetlinkError(f"nftables table lookup of {family} {table} failed: {e}") from None
 
     def _get_table(self, family: str, table: str) -> bool:
-        sock = self._socket()
-        self._seq += 1
-        seq = self._seq
         body = struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_TABLE_NAME, table.encode() + b"\0")
-        kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE
-        sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body)
-        found = False
-        while True:
-            data = sock.recv(1 << 16)
-            offset = 0
-            while offset + _HDR.size <= len(data):
-                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
-                if length < _HDR.size:
-                    raise NetlinkError("malformed netlink message")
-                if mseq == seq:
-                    if mtype == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE:
-                        found = True
-                    elif mtype == NLMSG_ERROR:
-                        (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
-                        if code == 0:
-                            return found
-                        if -code == errno.ENOENT:
-                            return False
-                        raise NetlinkError(f"nftables table lookup of {family} {table}: "
-                                           f"{errno.errorcode.get(-code, -code)}")
-                offset += (length + 3) & ~3
+        return bool(self._exchange(NFT_MSG_GETTABLE, NLM_F_ACK, body, NFT_MSG_NEWTABLE,
+                                   f"nftables table lookup of {family} {table}"))
 
     def _dump(self, family: str, table: str, chain: str) -> Optional[int]:
+        body = struct.pack("=BBH", FAMILIES[family], 0, 0)
+        body += _attr(NFTA_RULE_TABLE, table.encode() + b"\0") + _attr(NFTA_RULE_CHAIN, chain.encode() + b"\0")
+        return self._exchange(NFT_MSG_GETRULE, NLM_F_DUMP, body, NFT_MSG_NEWRULE,
+                              f"nftables rule dump of {family} {table} {chain}")
+
+    def _exchange(self, request: int, flags: int, body: bytes, counted: int, what: str) -> Optional[int]:
+        """Send one nftables request; the number of ``counted`` messages answering it (at the
+        dump's end or the kernel's ack), None when the kernel says ENOENT."""
         sock = self._socket()
         self._seq += 1
         seq = self._seq
-        body = struct.pack("=BBH", FAMILIES[family], 0, 0)
-        body += _attr(NFTA_RULE_TABLE, table.encode() + b"\0") + _attr(NFTA_RULE_CHAIN, chain.encode() + b"\0")
-        kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE
-        sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-        rules = 0
+        kind = (NFNL_SUBSYS_NFTABLES << 8) | request
+        sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | flags, seq, 0) + body)
+        count = 0
         while True:
             data = sock.recv(1 << 16)
             offset = 0
@@ -148,15 +131,14 @@ class RuleCounter:
                     raise NetlinkError("malformed netlink message")
                 if mseq == seq:
                     if mtype == NLMSG_DONE:
-                        return rules
+                        return count
                     if mtype == NLMSG_ERROR:
                         (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
                         if code == 0:
-                            return rules
+                            return count
                         if -code == errno.ENOENT:
                             return None
-                        raise NetlinkError(f"nftables rule dump of {family} {table} {chain}: "
-                                           f"{errno.errorcode.get(-code, -code)}")
-                    if mtype == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE:
-                        rules += 1
+                        raise NetlinkError(f"{what}: {errno.errorcode.get(-code, -code)}")
+                    if mtype == (NFNL_SUBSYS_NFTABLES << 8) | counted:
+                        count += 1
                 offset += (length + 3) & ~3
