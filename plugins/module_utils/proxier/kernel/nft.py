@@ -56,7 +56,7 @@ class NftKernel:
                 self._counter = RuleCounter(self.netns)
             try:
                 return self._counter.table_exists(family, table)
-            except Unavailable:  # no pyroute2 for a named netns: ask nft
+            except (Unavailable, KernelError):  # no pyroute2 for a named netns, no nfnetlink: ask nft
                 pass
         try:
             proc = self._run(self._argv("list", "tables", family), capture_output=True, text=True, check=False)
