@@ -387,7 +387,28 @@ def open_socket(netns: str = "", proto: int = NETLINK_GENERIC) -> socket.socket:
     return sock
 
 
-class GenlConnection:
+class SeqSocket:
+    """A netlink socket with the sequence numbers and bounded receive every connection here
+    uses (IPVS over generic netlink, kube-ipvs0 addresses over rtnetlink)."""
+
+    sock: socket.socket
+    seq: int
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _next_seq(self) -> int:
+        self.seq = (self.seq % 0x7FFFFFFF) + 1
+        return self.seq
+
+    def _recv(self) -> bytes:
+        try:
+            return self.sock.recv(RECV_BUFFER)
+        except TimeoutError as exc:
+            raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
+
+
+class GenlConnection(SeqSocket):
     """One NETLINK_GENERIC socket talking to the IPVS family.
 
     Not thread-safe: use one per thread (or serialise calls). ``timeout``
@@ -405,19 +426,6 @@ class GenlConnection:
         except BaseException:
             self.sock.close()
             raise
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _next_seq(self) -> int:
-        self.seq = (self.seq % 0x7FFFFFFF) + 1
-        return self.seq
-
-    def _recv(self) -> bytes:
-        try:
-            return self.sock.recv(RECV_BUFFER)
-        except TimeoutError as exc:
-            raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
 
     def _exchange(self, msg_type: int, flags: int, payload: bytes, what: str) -> List[Tuple[int, bytes]]:
         """Send one request; return the (type, body) answers to it (matched by sequence

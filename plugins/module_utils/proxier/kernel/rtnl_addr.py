@@ -28,6 +28,7 @@ from .ipvs_netlink import (
     NLMSG_DONE,
     NLMSG_ERROR,
     NetlinkError,
+    SeqSocket,
     nla,
     nlmsg,
     open_socket,
@@ -51,7 +52,6 @@ IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
 IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
 FAMILIES = {socket.AF_INET: 32, socket.AF_INET6: 128}  # family -> host prefix length
 DEFAULT_BATCH = 128  # requests per datagram (their acks must fit the receive buffer)
-RECV_BUFFER = 1 << 17
 SO_RCVBUF_SIZE = 1 << 22  # room for a dump's and a batch's answers queued at once
 
 
@@ -69,7 +69,7 @@ def address_request(index: int, ip: str) -> bytes:
     return IFADDRMSG.pack(family, FAMILIES[family], 0, 0, index) + nla(IFA_LOCAL, raw) + nla(IFA_ADDRESS, raw)
 
 
-class RtnlAddresses:
+class RtnlAddresses(SeqSocket):
     """One NETLINK_ROUTE socket (in ``netns`` if given). Not thread-safe."""
 
     def __init__(self, netns: str = "", timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -80,19 +80,6 @@ class RtnlAddresses:
             pass  # the default buffer still works with DEFAULT_BATCH
         self.sock.settimeout(timeout)
         self.seq = 0
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _next_seq(self) -> int:
-        self.seq = (self.seq % 0x7FFFFFFF) + 1
-        return self.seq
-
-    def _recv(self) -> bytes:
-        try:
-            return self.sock.recv(RECV_BUFFER)
-        except TimeoutError as exc:
-            raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
 
     def link_index(self, name: str) -> Optional[int]:
         """The link's ifindex, None if there is no such link (one RTM_GETLINK request)."""
