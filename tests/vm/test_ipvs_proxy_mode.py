@@ -1,8 +1,8 @@
 """IPVS proxy mode on a real node kernel (the build machine's has no IPVS and no dummy
-links): boots the VM lab guest, copies the checkout in, and runs
-tests/vm/guest/test_ipvs_proxy_traffic.py there as root with the guest's test venv. The
-guest file builds tests/integration/lab.py's namespace lab inside the guest and drives
-``kubenode-proxy --proxy-mode ipvs`` against it with real connections."""
+links): boots the VM lab guest, copies the checkout in, and runs the IPVS cases of
+tests/integration/test_traffic.py (the traffic scenarios every mode shares) there as root
+with the guest's test venv. They build tests/integration/lab.py's namespace lab inside the
+guest and drive ``kubenode-proxy --proxy-mode ipvs`` against it with real connections."""
 from __future__ import annotations
 
 import re
@@ -10,7 +10,7 @@ import shlex
 
 import vmlab
 
-GUEST_TEST = "tests/vm/guest/test_ipvs_proxy_traffic.py"
+GUEST_TEST = "tests/integration/test_traffic.py -k ipvs"
 GUEST_TIMEOUT = 3600.0  # ~15 min under software emulation; the rest is headroom
 
 
