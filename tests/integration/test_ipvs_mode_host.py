@@ -2,7 +2,8 @@
 the ipsets and the ``-m set`` iptables rules load into a real namespace and read back
 exactly as compiled, syncs converge, the other mode's leftovers go, --cleanup leaves
 nothing. IPVS itself and kube-ipvs0 are in-memory stand-ins here; traffic through IPVS
-is tested in the VM (tests/vm/guest/test_ipvs_proxy_traffic.py)."""
+is tested in the VM (test_traffic.py's IPVS cases, run in the guest by
+tests/vm/test_ipvs_proxy_mode.py)."""
 from __future__ import annotations
 
 import subprocess

@@ -17,10 +17,8 @@ scenario asserts each mode's own behaviour:
 - how each mode's kernel objects look, and what ``--cleanup`` must leave behind.
 
 IPVS needs ip_vs and dummy links: where this kernel lacks them (the build machine's) its
-cases skip with the probe's reason. They carry the expectations of the VM guest's
-tests/vm/guest/test_ipvs_proxy_traffic.py, which still runs IPVS traffic in the VM lab;
-pointing tests/vm/test_ipvs_proxy_mode.py at ``test_traffic.py -k ipvs`` instead (and
-deleting that file) waits for one complete VM run of these cases. The mode-specific
+cases skip with the probe's reason, and tests/vm/test_ipvs_proxy_mode.py runs them (``-k
+ipvs``) as root inside the VM lab's Debian guest, whose kernel has both. The mode-specific
 in-process tests (partial syncs, canaries, repair) are in test_nftables_proxier.py,
 test_iptables_sync.py and test_ipvs_mode_host.py.
 """
@@ -69,7 +67,7 @@ def unavailable(mode: str) -> str | None:
         subprocess.run(["modprobe", "ip_vs"], capture_output=True, check=False)
         if not os.path.exists("/proc/net/ip_vs"):
             return ("this kernel has no IPVS (modprobe ip_vs failed); IPVS traffic runs in the VM lab "
-                    "(tests/vm/guest/test_ipvs_proxy_traffic.py)")
+                    "(tests/vm/test_ipvs_proxy_mode.py runs these cases in the guest)")
     missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
         return f"{mode} mode needs {', '.join(missing)}"
