@@ -134,6 +134,41 @@ def test_affinity_added_and_removed_by_partial_syncs(cluster, endpoint_chains):
     assert "affinity-" not in nft_table(cluster.ns("node"))
 
 
+def affinity_entries(netns):
+    """Addresses held by the table's affinity sets (nft prints them as ``elements = { A expires ... }``)."""
+    return {line.split("{", 1)[1].split()[0] for line in nft_table(netns).splitlines()
+            if "elements = {" in line and "expires" in line}
+
+
+@LAYOUTS
+def test_affinity_entries_survive_a_full_rewrite(cluster, endpoint_chains):
+    # A full sync deletes and recreates the table; the client's affinity entry is read first
+    # and re-added, so the client keeps its backend. Four rewrites: without the entries the
+    # first connection after each one picks at random (all four on the same backend: 1/81).
+    proxy = Proxy(cluster, endpoint_chains)
+    proxy.proxier.rewrite_period = 0  # every forced full sync rewrites the table
+    proxy.set(svc("web", "10.96.0.10", HTTP, sessionAffinity="ClientIP",
+                  sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}}),
+              eps("web", BACKENDS.values(), HTTP_EP))
+    assert proxy.sync().full
+    first = backends(cluster.request_many("client", "10.96.0.10", 80, count=5))
+    assert len(first) == 1
+    assert affinity_entries(cluster.ns("node")) == {CLIENT_IP}
+    for _ in range(4):
+        result = proxy.sync(force_full=True)
+        assert result.full and result.changes == ["table replaced"]
+        assert affinity_entries(cluster.ns("node")) == {CLIENT_IP}
+        cluster.exec("node", ["conntrack", "-F"], check=False)  # new connections, not old flows
+        assert backends(cluster.request_many("client", "10.96.0.10", 80, count=3)) == Counter(
+            {next(iter(first)): 3})
+    # A shorter timeout now: the kept entry's expiry is capped to it (the kernel refuses more).
+    proxy.set(svc("web", "10.96.0.10", HTTP, sessionAffinity="ClientIP",
+                  sessionAffinityConfig={"clientIP": {"timeoutSeconds": 30}}))
+    assert proxy.sync(force_full=True).full
+    table = nft_table(cluster.ns("node"))
+    assert "timeout 30s" in table and affinity_entries(cluster.ns("node")) == {CLIENT_IP}
+
+
 @pytest.mark.parametrize("damage", ["delete table ip kube-proxy", "flush ruleset", "flush table ip kube-proxy",
                                     "flush chain ip kube-proxy services", "flush chain ip kube-proxy nat-prerouting"])
 def test_canary_sees_the_damage_and_the_next_sync_repairs(cluster, damage):

@@ -209,3 +209,30 @@ def test_unallocated_cluster_ips_are_dropped_only_when_the_service_cidrs_are_kno
         'ip daddr { 10.96.0.0/16, 172.30.0.0/24 } drop comment "Drop traffic to unallocated ClusterIPs"']
     with pytest.raises(Exception, match="serviceCIDRs"):
         nc.infrastructure(replace(CFG, service_cidrs=("10.96.0.0/16 } accept ; {",)))
+
+
+def test_kept_affinity_entries_are_capped_at_the_new_timeout_and_only_for_sets_still_wanted():
+    sets = {"affinity-A": "type ipv4_addr ; flags dynamic,timeout ; timeout 30s ;"}
+    text = nc.kept_entries_text("ip kube-proxy", sets, {
+        "affinity-A": [("10.0.0.1", 5000), ("10.0.0.2", 600000), ("10.0.0.3", 0)],
+        "affinity-gone": [("10.0.0.4", 5000)]})
+    assert text == "add element ip kube-proxy affinity-A { 10.0.0.1 expires 5000ms, 10.0.0.2 expires 30000ms }\n"
+    assert nc.kept_entries_text("ip kube-proxy", sets, {}) == ""
+
+
+def test_expiring_entries_without_netlink_read_nft_json_and_drop_what_is_not_an_address():
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.nft import NftKernel
+
+    class Proc:
+        def __init__(self, rc, out):
+            self.returncode, self.stdout, self.stderr = rc, out, ""
+
+    listing = ('{"nftables": [{"metainfo": {}}, {"set": {"name": "affinity-A", "elem": ['
+               '{"elem": {"val": "10.0.0.1", "expires": 99}}, {"elem": {"val": "x; flush ruleset", "expires": 5}},'
+               '{"elem": {"val": "10.0.0.2"}}]}}]}')
+
+    def runner(argv, **kw):
+        return Proc(0, listing) if argv[-1] == "affinity-A" else Proc(1, "")
+
+    got = NftKernel(runner=runner).expiring_entries("ip", "kube-proxy", ["affinity-A", "affinity-B"])
+    assert got == {"affinity-A": [("10.0.0.1", 99000)]}

@@ -15,7 +15,7 @@ import errno
 import socket
 import struct
 import threading
-from typing import Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from ..errors import KernelError, Unavailable
 
@@ -29,6 +29,16 @@ NFT_MSG_NEWRULE = 6
 NFT_MSG_GETRULE = 7
 NFTA_RULE_TABLE = 1
 NFTA_RULE_CHAIN = 2
+NFT_MSG_NEWSETELEM = 12
+NFT_MSG_GETSETELEM = 13
+NFTA_SET_ELEM_LIST_TABLE = 1
+NFTA_SET_ELEM_LIST_SET = 2
+NFTA_SET_ELEM_LIST_ELEMENTS = 3
+NFTA_LIST_ELEM = 1
+NFTA_SET_ELEM_KEY = 1
+NFTA_SET_ELEM_EXPIRATION = 5
+NFTA_DATA_VALUE = 1
+NLA_TYPE_MASK = 0x3FFF
 NLM_F_REQUEST = 0x1
 NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
@@ -44,6 +54,38 @@ class NetlinkError(KernelError):
 def _attr(kind: int, value: bytes) -> bytes:
     data = struct.pack("=HH", 4 + len(value), kind) + value
     return data + b"\0" * (-len(data) % 4)
+
+
+def _attrs(data: bytes, start: int = 0, end: Optional[int] = None) -> Iterator[Tuple[int, bytes]]:
+    """(type, payload) of the netlink attributes in ``data[start:end]``."""
+    end = len(data) if end is None else end
+    while start + 4 <= end:
+        length, kind = struct.unpack_from("=HH", data, start)
+        if length < 4:
+            break
+        yield kind & NLA_TYPE_MASK, data[start + 4:start + length]
+        start += (length + 3) & ~3
+
+
+def _elements(payload: bytes) -> List[Tuple[bytes, Optional[int]]]:
+    """(key, milliseconds until expiry or None) of one NEWSETELEM message body."""
+    out: List[Tuple[bytes, Optional[int]]] = []
+    for kind, value in _attrs(payload, 4):  # after the nfgenmsg header
+        if kind != NFTA_SET_ELEM_LIST_ELEMENTS:
+            continue
+        for ekind, elem in _attrs(value):
+            if ekind != NFTA_LIST_ELEM:
+                continue
+            key = b""
+            expires: Optional[int] = None
+            for akind, attr in _attrs(elem):
+                if akind == NFTA_SET_ELEM_KEY:
+                    key = next((v for k, v in _attrs(attr) if k == NFTA_DATA_VALUE), b"")
+                elif akind == NFTA_SET_ELEM_EXPIRATION and len(attr) == 8:
+                    (expires,) = struct.unpack(">Q", attr)
+            if key:
+                out.append((key, expires))
+    return out
 
 
 def open_socket(netns: str = "") -> socket.socket:
@@ -102,6 +144,24 @@ class RuleCounter:
                 self.close()
                 raise NetlinkError(f"nftables table lookup of {family} {table} failed: {e}") from None
 
+    def set_elements(self, family: str, table: str, name: str) -> Optional[List[Tuple[bytes, Optional[int]]]]:
+        """The elements of one set as (key bytes, milliseconds until the entry expires or
+        None): one element dump naming the set, so the cost is that set's, not the table's.
+        None when the kernel has no such set (or table)."""
+        body = struct.pack("=BBH", FAMILIES[family], 0, 0)
+        body += _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+        body += _attr(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0")
+        found: List[Tuple[bytes, Optional[int]]] = []
+        with self._lock:
+            try:
+                n = self._exchange(NFT_MSG_GETSETELEM, NLM_F_DUMP, body, NFT_MSG_NEWSETELEM,
+                                   f"nftables element dump of {family} {table} {name}",
+                                   lambda payload: found.extend(_elements(payload)))
+            except OSError as e:
+                self.close()
+                raise NetlinkError(f"nftables element dump of {family} {table} {name} failed: {e}") from None
+        return None if n is None else found
+
     def _get_table(self, family: str, table: str) -> bool:
         body = struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_TABLE_NAME, table.encode() + b"\0")
         return bool(self._exchange(NFT_MSG_GETTABLE, NLM_F_ACK, body, NFT_MSG_NEWTABLE,
@@ -113,9 +173,11 @@ class RuleCounter:
         return self._exchange(NFT_MSG_GETRULE, NLM_F_DUMP, body, NFT_MSG_NEWRULE,
                               f"nftables rule dump of {family} {table} {chain}")
 
-    def _exchange(self, request: int, flags: int, body: bytes, counted: int, what: str) -> Optional[int]:
+    def _exchange(self, request: int, flags: int, body: bytes, counted: int, what: str,
+                  each: Optional[Callable[[bytes], object]] = None) -> Optional[int]:
         """Send one nftables request; the number of ``counted`` messages answering it (at the
-        dump's end or the kernel's ack), None when the kernel says ENOENT."""
+        dump's end or the kernel's ack), None when the kernel says ENOENT. ``each`` gets the
+        body of every counted message."""
         sock = self._socket()
         self._seq += 1
         seq = self._seq
@@ -141,4 +203,6 @@ class RuleCounter:
                         raise NetlinkError(f"{what}: {errno.errorcode.get(-code, -code)}")
                     if mtype == (NFNL_SUBSYS_NFTABLES << 8) | counted:
                         count += 1
+                        if each is not None:
+                            each(data[offset + _HDR.size:offset + length])
                 offset += (length + 3) & ~3

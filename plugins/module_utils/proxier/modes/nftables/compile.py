@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -505,6 +506,23 @@ def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig,
     for where in sorted(elements):
         lines.extend(elements_text(head, "add", where, elements[where]))
     return "\n".join(lines) + "\n"
+
+
+def kept_entries_text(head: str, sets: Dict[str, str], entries: Dict[str, List[Tuple[str, int]]]) -> str:
+    """Affinity entries read before a full rewrite, re-added to the new table's sets of
+    the same name (same service port and endpoint) with the time they had left, capped at
+    the set's timeout now (the kernel refuses a longer expiry). ``sets``: name ->
+    declaration, of the new table; ``entries``: name -> (address, ms left)."""
+    lines: List[str] = []
+    for name in sorted(entries):
+        decl = sets.get(name)
+        if decl is None or not entries[name]:
+            continue
+        m = re.search(r"timeout (\d+)s", decl)
+        cap = int(m.group(1)) * 1000 if m else 0
+        elems = [f"{addr} expires {min(ms, cap) if cap else ms}ms" for addr, ms in entries[name] if ms > 0]
+        lines.extend(elements_text(head, "add", name, elems))
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def cleanup_text(cfg: NftablesConfig) -> str:

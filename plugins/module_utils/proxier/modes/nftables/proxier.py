@@ -129,7 +129,7 @@ class NftablesProxier(ProxierBase):
             if out is not None:
                 compiled[key] = out
         resolved = nc.resolve(compiled)
-        script = nc.render_full(compiled, self.cfg, resolved)
+        script = nc.render_full(compiled, self.cfg, resolved) + self._kept_affinity(compiled)
         compile_s = time.monotonic() - start
         t = time.monotonic()
         self.kernel.apply(script)
@@ -141,6 +141,21 @@ class NftablesProxier(ProxierBase):
         self._last_rewrite = time.monotonic()
         self._recount()
         return self._result(True, self._counts.get("rules", 0), ["table replaced"], compile_s, apply_s, start)
+
+    def _kept_affinity(self, compiled: Dict[str, nc.ServiceNft]) -> str:
+        """The ClientIP affinity entries the rewrite would lose (the table is deleted and
+        made anew), read from the kernel and re-added to the new sets of the same name with
+        the time they had left: a client keeps its backend across a full sync (and a
+        restart of the proxy). One netlink element dump per affinity set; a failure to read
+        costs the entries, not the sync."""
+        sets = {name: decl for svc in compiled.values() for name, decl in svc.sets.items()}
+        if not sets:
+            return ""
+        try:
+            entries = self.kernel.expiring_entries(self.cfg.family, nc.TABLE, sorted(sets))
+        except (KernelError, Unavailable, OSError):
+            return ""
+        return nc.kept_entries_text(self.head, sets, entries)
 
     def _partial(self, changed: Set[str], start: float) -> SyncResult:
         old: Dict[str, Optional[nc.ServiceNft]] = {}
