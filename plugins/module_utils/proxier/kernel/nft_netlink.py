@@ -12,10 +12,11 @@ Imports nothing above kernel/.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 import threading
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import KernelError, Unavailable
 
@@ -39,6 +40,14 @@ NFTA_SET_ELEM_KEY = 1
 NFTA_SET_ELEM_EXPIRATION = 5
 NFTA_DATA_VALUE = 1
 NLA_TYPE_MASK = 0x3FFF
+NLA_F_NESTED = 0x8000
+NFT_MSG_DELSETELEM = 14
+NFTA_SET_ELEM_DATA = 2
+NFNL_MSG_BATCH_BEGIN = 0x10
+NFNL_MSG_BATCH_END = 0x11
+NLM_F_CREATE = 0x400
+# (verb "add"/"delete", set name, [(key bytes, data bytes or b"" for a set or a delete)])
+ElementOps = List[Tuple[str, str, List[Tuple[bytes, bytes]]]]
 NLM_F_REQUEST = 0x1
 NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
@@ -86,6 +95,21 @@ def _elements(payload: bytes) -> List[Tuple[bytes, Optional[int]]]:
             if key:
                 out.append((key, expires))
     return out
+
+
+def _nested(kind: int, value: bytes) -> bytes:
+    return _attr(kind | NLA_F_NESTED, value)
+
+
+def _element_message(family: str, table: str, name: str, elems: List[Tuple[bytes, bytes]]) -> bytes:
+    body = b""
+    for key, data in elems:
+        attrs = _nested(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, key))
+        if data:
+            attrs += _nested(NFTA_SET_ELEM_DATA, _attr(NFTA_DATA_VALUE, data))
+        body += _nested(NFTA_LIST_ELEM, attrs)
+    return (struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+            + _attr(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0") + _nested(NFTA_SET_ELEM_LIST_ELEMENTS, body))
 
 
 def open_socket(netns: str = "") -> socket.socket:
@@ -161,6 +185,63 @@ class RuleCounter:
                 self.close()
                 raise NetlinkError(f"nftables element dump of {family} {table} {name} failed: {e}") from None
         return None if n is None else found
+
+    def element_batch(self, family: str, table: str, ops: ElementOps) -> None:
+        """Add and delete set/map elements in one nfnetlink batch: one transaction, all or
+        nothing, as ``nft -f`` (which first fetches every chain of the table: 35-70 ms at
+        10,000 services). Raises NetlinkError naming the refused set."""
+        msgs: List[bytes] = []
+        names: Dict[int, str] = {}
+        with self._lock:
+            try:
+                sock = self._socket()
+            except OSError as e:  # no nfnetlink here
+                raise NetlinkError(f"nftables element batch: {e}") from None
+            self._seq += 1
+            msgs.append(_HDR.pack(_HDR.size + 4, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, self._seq, 0)
+                        + struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES)))
+            for verb, name, elems in ops:
+                if not elems:
+                    continue
+                self._seq += 1
+                kind = (NFNL_SUBSYS_NFTABLES << 8) | (NFT_MSG_NEWSETELEM if verb == "add" else NFT_MSG_DELSETELEM)
+                flags = NLM_F_REQUEST | NLM_F_ACK | (NLM_F_CREATE if verb == "add" else 0)
+                body = _element_message(family, table, name, elems)
+                msgs.append(_HDR.pack(_HDR.size + len(body), kind, flags, self._seq, 0) + body)
+                names[self._seq] = f"{verb} element {family} {table} {name}"
+            self._seq += 1
+            msgs.append(_HDR.pack(_HDR.size + 4, NFNL_MSG_BATCH_END, NLM_F_REQUEST, self._seq, 0)
+                        + struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES)))
+            if not names:
+                return
+            try:
+                sock.send(b"".join(msgs))
+                self._acks(sock, names)
+            except OSError as e:
+                self.close()
+                raise NetlinkError(f"nftables element batch failed: {e}") from None
+            except NetlinkError:
+                self.close()  # the kernel may still answer the batch's other messages
+                raise
+
+    def _acks(self, sock: socket.socket, names: Dict[int, str]) -> None:
+        """Wait for the kernel's answer to every message of the batch (NLM_F_ACK): an ack
+        when the batch was committed, the refused message's error when not."""
+        waiting = set(names)
+        while waiting:
+            data = sock.recv(1 << 16)
+            offset = 0
+            while offset + _HDR.size <= len(data):
+                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
+                if length < _HDR.size:
+                    raise NetlinkError("malformed netlink message")
+                if mtype == NLMSG_ERROR and mseq in waiting:
+                    (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
+                    if code != 0:
+                        raise NetlinkError(f"{names[mseq]}: {errno.errorcode.get(-code, -code)} "
+                                           f"({os.strerror(-code)})")
+                    waiting.discard(mseq)
+                offset += (length + 3) & ~3
 
     def _get_table(self, family: str, table: str) -> bool:
         body = struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_TABLE_NAME, table.encode() + b"\0")
