@@ -136,7 +136,7 @@ def test_affinity_added_and_removed_by_partial_syncs(cluster, endpoint_chains):
 
 
 def test_an_endpoint_replaced_is_written_over_netlink_and_a_refused_batch_means_a_full_sync(cluster):
-    # Same endpoint count: only elements of endpoints-tcp (and hairpin-ips) change, and they
+    # Same endpoint count: only elements of endpoints-tcp-00 (and hairpin-ips) change, and they
     # go to the kernel as one nfnetlink batch, without nft.
     proxy = Proxy(cluster)
     proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
@@ -153,9 +153,9 @@ def test_an_endpoint_replaced_is_written_over_netlink_and_a_refused_batch_means_
     assert "10.244.1.3 . 8080" in table and "10.244.1.2" not in table
     # Someone deletes the element we would replace: the kernel refuses the whole batch
     # (nothing applied), the sync fails, and the next one rewrites the table.
-    cluster.exec("node", ["nft", "delete element ip kube-proxy endpoints-tcp { 1 }"])
+    cluster.exec("node", ["nft", "delete element ip kube-proxy endpoints-tcp-00 { 1 }"])
     proxy.set(eps("web", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
-    with pytest.raises(KernelError, match="endpoints-tcp"):
+    with pytest.raises(KernelError, match="endpoints-tcp-00"):
         proxy.sync()
     assert proxy.sync().full
     assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == {"be1", "be2"}

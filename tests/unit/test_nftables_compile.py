@@ -236,3 +236,45 @@ def test_expiring_entries_without_netlink_read_nft_json_and_drop_what_is_not_an_
 
     got = NftKernel(runner=runner).expiring_entries("ip", "kube-proxy", ["affinity-A", "affinity-B"])
     assert got == {"affinity-A": [("10.0.0.1", 99000)]}
+
+
+def test_endpoint_map_elements_are_encoded_as_the_kernel_stores_them():
+    # As `nft --debug=netlink add element ip m eps { 2 : 10.1.1.3 . 80 }` shows: key word
+    # 00000002 (host order), data 0301010a 00005000 (address, port padded to 4 bytes).
+    import struct
+    key, data = nc.encode_element("endpoints-tcp", "2 : 10.1.1.3 . 80")
+    assert key == struct.pack("=I", 2) and data == bytes([10, 1, 1, 3, 0, 80, 0, 0])
+    assert nc.encode_element("endpoints-udp", "7") == (struct.pack("=I", 7), b"")
+    assert nc.encode_element("hairpin-ips", "10.0.0.1 . 10.0.0.1") == (bytes([10, 0, 0, 1] * 2), b"")
+    assert nc.encode_element("service-ips", "10.96.0.1 . tcp . 80 : goto x") is None
+    assert nc.encode_element("endpoints-tcp", "x : 10.1.1.3 . 80") is None
+
+
+def test_endpoint_slots_are_stable_per_chain_grow_and_never_reuse_keys():
+    slots = nc.EndpointSlots()
+    a = slots("service-A", 3)
+    b = slots("service-B", 100)
+    assert (a, b) == (0, 64) and slots("service-A", 64) == a
+    grown = slots("service-A", 65)  # past its block: a new, larger one
+    assert grown == 64 + 128 and slots("service-B", 100) == 64
+    slots.keep_only({"service-B"})
+    assert slots("service-A", 1) == 64 + 128 + 128  # freed keys are not handed out again
+    assert slots("service-C", nc.EndpointSlots.MAX + 1) is None
+
+
+def test_service_chain_draws_from_its_block_of_the_protocol_map():
+    sp = ServicePort(SVC1, "172.30.0.41", 80, "TCP")
+    inline = replace(CFG, endpoint_chains=False)
+    slots = nc.EndpointSlots()
+    slots("service-OTHER", 1)  # another chain holds keys 0-63
+    out = nc.compile_service([sp], {sp.name: [EP1, EP2, EP3]}, inline, slots)
+    assert out.chains[S1][1:] == ["meta l4proto tcp dnat ip to numgen random mod 3 offset 64 map @endpoints-tcp-01"]
+    assert out.elements["endpoints-tcp-01"] == ["64 : 10.180.0.1 . 80", "65 : 10.180.0.2 . 80", "66 : 10.180.0.3 . 80"]
+    assert {"endpoints-tcp-00", "endpoints-sctp-31"} <= set(nc.infrastructure(inline).sets)
+    # Without slots (the module), with affinity, or endpoint_maps=False: one dnat rule per endpoint.
+    plain = nc.compile_service([sp], {sp.name: [EP1, EP2]}, inline)
+    assert not [w for w in plain.elements if w.startswith("endpoints-")]
+    assert "endpoints-tcp-01" not in nc.compile_service([sp], {sp.name: [EP1]}, replace(inline, endpoint_maps=False),
+                                                        slots).elements
+    sticky = ServicePort(SVC1, "172.30.0.41", 80, "TCP", session_affinity_seconds=60)
+    assert "endpoints-tcp-01" not in nc.compile_service([sticky], {sp.name: [EP1]}, inline, slots).elements

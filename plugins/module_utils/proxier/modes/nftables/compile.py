@@ -62,10 +62,17 @@ SERVICE_PREFIXES = ("service-", "external-", "local-", "firewall-", "endpoint-",
 # @endpoints-tcp``, BASE a block of keys the proxier gives the chain (EndpointSlots). An
 # endpoint replaced is then element updates, which the kernel commits without validating
 # the table's chain graph (a rule with a dnat or jump makes it walk every chain: 75-160 ms
-# at 10,000 services). One map per protocol, not one per service: the kernel looks sets
-# up by name in a list, so 10,000 named maps made a cold load 4-5x slower (measured).
+# at 10,000 services). A few maps, not one per service: the kernel looks sets up by name in
+# a list (10,000 named maps: a cold load 4-5x slower); and not one map for all: every element
+# added to a map is checked against every rule using the map (one map: cold load 2x slower).
+# ENDPOINT_MAP_SHARDS maps per protocol, a chain's key block deciding its map.
 ENDPOINT_MAP_PREFIX = "endpoints-"
 ENDPOINT_MAP_PROTOCOLS = ("tcp", "udp", "sctp")
+ENDPOINT_MAP_SHARDS = 32
+
+
+def endpoint_map(proto: str, base: int) -> str:
+    return f"{ENDPOINT_MAP_PREFIX}{proto}-{base // 64 % ENDPOINT_MAP_SHARDS:02d}"
 
 
 @dataclass(frozen=True)
@@ -339,7 +346,7 @@ def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cf
         base = (slots(chain, len(members)) if slots is not None and inline and not affinity and cfg.endpoint_maps
                 and cfg.endpoint_selection != ENDPOINT_VMAP and proto in ENDPOINT_MAP_PROTOCOLS else None)
         if base is not None:
-            emap = ENDPOINT_MAP_PREFIX + proto
+            emap = endpoint_map(proto, base)
             k = len(members)
             rules.append(f"meta l4proto {proto} dnat {af} to numgen random mod {k} offset {base} map @{emap}")
             for i, ep in enumerate(members):
@@ -392,8 +399,10 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
         sets[HAIRPIN_IPS] = f'type {addr_type} . {addr_type} ; comment "endpoint IP . endpoint IP: hairpin traffic" ;'
         if cfg.endpoint_maps:
             for proto in ENDPOINT_MAP_PROTOCOLS:
-                sets[ENDPOINT_MAP_PREFIX + proto] = (f"typeof numgen random mod 1 : {af} daddr . {proto} dport ; "
-                                                     'comment "service chain key block + endpoint draw -> endpoint" ;')
+                for shard in range(ENDPOINT_MAP_SHARDS):
+                    sets[endpoint_map(proto, shard * 64)] = (
+                        f"typeof numgen random mod 1 : {af} daddr . {proto} dport ; "
+                        'comment "service chain key block + endpoint draw -> endpoint" ;')
 
     chains = {
         "filter-prerouting": "type filter hook prerouting priority dstnat - 10 ;",
