@@ -158,7 +158,8 @@ def main() -> int:
             say(f"N={n} nftables/{design}: cold full sync {r['total']:.2f} s = nft text build {r['build']:.2f} s "
                 f"+ nft -f {r['apply']:.2f} s ({r['lines']} lines, {r['bytes'] / 1e6:.1f} MB); same text by hand "
                 f"(replacing the loaded table) {r['by_hand']:.2f} s; one endpoint change {r['partial'] * 1000:.1f} ms "
-                f"median (nft -f {r['partial_nft'] * 1000:.1f} ms of it), {r['partial_max'] * 1000:.1f} ms max; "
+                f"median (kernel write, netlink batch or nft -f, {r['partial_nft'] * 1000:.1f} ms of it), "
+                f"{r['partial_max'] * 1000:.1f} ms max; "
                 f"vs iptables: cold {r['total'] / ipt['total']:.2f}x, "
                 f"one change {r['partial'] / ipt['partial']:.2f}x")
         if nc.ENDPOINT_CHAINED in results and nc.ENDPOINT_VMAP in results:

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 from proxyctl import eps, svc, tcp, write_manifests
 
+from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.errors import KernelError
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.nft import NftKernel
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.model import (
     parse_endpoint_slice,
@@ -132,6 +133,67 @@ def test_affinity_added_and_removed_by_partial_syncs(cluster, endpoint_chains):
     proxy.set(svc("web", "10.96.0.10", HTTP))
     assert not proxy.sync().full
     assert "affinity-" not in nft_table(cluster.ns("node"))
+
+
+def test_an_endpoint_replaced_is_written_over_netlink_and_a_refused_batch_means_a_full_sync(cluster):
+    # Same endpoint count: only elements of endpoints-tcp-00 (and hairpin-ips) change, and they
+    # go to the kernel as one nfnetlink batch, without nft.
+    proxy = Proxy(cluster)
+    proxy.set(svc("web", "10.96.0.10", HTTP), eps("web", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
+    assert proxy.sync().full
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == {"be1", "be2"}
+    nft_runs = []
+    real_apply = proxy.proxier.kernel.apply
+    proxy.proxier.kernel.apply = lambda text, check_only=False: (nft_runs.append(text), real_apply(text, check_only))
+    proxy.set(eps("web", [BACKENDS["be1"], BACKENDS["be3"]], HTTP_EP))
+    result = proxy.sync()
+    assert not result.full and result.changed == {"default/web"} and nft_runs == []
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == {"be1", "be3"}
+    table = nft_table(cluster.ns("node"))
+    assert "10.244.1.3 . 8080" in table and "10.244.1.2" not in table
+    # Someone deletes the element we would replace: the kernel refuses the whole batch
+    # (nothing applied), the sync fails, and the next one rewrites the table.
+    cluster.exec("node", ["nft", "delete element ip kube-proxy endpoints-tcp-00 { 1 }"])
+    proxy.set(eps("web", [BACKENDS["be1"], BACKENDS["be2"]], HTTP_EP))
+    with pytest.raises(KernelError, match="endpoints-tcp-00"):
+        proxy.sync()
+    assert proxy.sync().full
+    assert set(backends(cluster.request_many("client", "10.96.0.10", 80, count=TRIES))) == {"be1", "be2"}
+
+
+def affinity_entries(netns):
+    """Addresses held by the table's affinity sets (nft prints them as ``elements = { A expires ... }``)."""
+    return {line.split("{", 1)[1].split()[0] for line in nft_table(netns).splitlines()
+            if "elements = {" in line and "expires" in line}
+
+
+@LAYOUTS
+def test_affinity_entries_survive_a_full_rewrite(cluster, endpoint_chains):
+    # A full sync deletes and recreates the table; the client's affinity entry is read first
+    # and re-added, so the client keeps its backend. Four rewrites: without the entries the
+    # first connection after each one picks at random (all four on the same backend: 1/81).
+    proxy = Proxy(cluster, endpoint_chains)
+    proxy.proxier.rewrite_period = 0  # every forced full sync rewrites the table
+    proxy.set(svc("web", "10.96.0.10", HTTP, sessionAffinity="ClientIP",
+                  sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}}),
+              eps("web", BACKENDS.values(), HTTP_EP))
+    assert proxy.sync().full
+    first = backends(cluster.request_many("client", "10.96.0.10", 80, count=5))
+    assert len(first) == 1
+    assert affinity_entries(cluster.ns("node")) == {CLIENT_IP}
+    for _ in range(4):
+        result = proxy.sync(force_full=True)
+        assert result.full and result.changes == ["table replaced"]
+        assert affinity_entries(cluster.ns("node")) == {CLIENT_IP}
+        cluster.exec("node", ["conntrack", "-F"], check=False)  # new connections, not old flows
+        assert backends(cluster.request_many("client", "10.96.0.10", 80, count=3)) == Counter(
+            {next(iter(first)): 3})
+    # A shorter timeout now: the kept entry's expiry is capped to it (the kernel refuses more).
+    proxy.set(svc("web", "10.96.0.10", HTTP, sessionAffinity="ClientIP",
+                  sessionAffinityConfig={"clientIP": {"timeoutSeconds": 30}}))
+    assert proxy.sync(force_full=True).full
+    table = nft_table(cluster.ns("node"))
+    assert "timeout 30s" in table and affinity_entries(cluster.ns("node")) == {CLIENT_IP}
 
 
 @pytest.mark.parametrize("damage", ["delete table ip kube-proxy", "flush ruleset", "flush table ip kube-proxy",

@@ -209,3 +209,72 @@ def test_unallocated_cluster_ips_are_dropped_only_when_the_service_cidrs_are_kno
         'ip daddr { 10.96.0.0/16, 172.30.0.0/24 } drop comment "Drop traffic to unallocated ClusterIPs"']
     with pytest.raises(Exception, match="serviceCIDRs"):
         nc.infrastructure(replace(CFG, service_cidrs=("10.96.0.0/16 } accept ; {",)))
+
+
+def test_kept_affinity_entries_are_capped_at_the_new_timeout_and_only_for_sets_still_wanted():
+    sets = {"affinity-A": "type ipv4_addr ; flags dynamic,timeout ; timeout 30s ;"}
+    text = nc.kept_entries_text("ip kube-proxy", sets, {
+        "affinity-A": [("10.0.0.1", 5000), ("10.0.0.2", 600000), ("10.0.0.3", 0)],
+        "affinity-gone": [("10.0.0.4", 5000)]})
+    assert text == "add element ip kube-proxy affinity-A { 10.0.0.1 expires 5000ms, 10.0.0.2 expires 30000ms }\n"
+    assert nc.kept_entries_text("ip kube-proxy", sets, {}) == ""
+
+
+def test_expiring_entries_without_netlink_read_nft_json_and_drop_what_is_not_an_address():
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.nft import NftKernel
+
+    class Proc:
+        def __init__(self, rc, out):
+            self.returncode, self.stdout, self.stderr = rc, out, ""
+
+    listing = ('{"nftables": [{"metainfo": {}}, {"set": {"name": "affinity-A", "elem": ['
+               '{"elem": {"val": "10.0.0.1", "expires": 99}}, {"elem": {"val": "x; flush ruleset", "expires": 5}},'
+               '{"elem": {"val": "10.0.0.2"}}]}}]}')
+
+    def runner(argv, **kw):
+        return Proc(0, listing) if argv[-1] == "affinity-A" else Proc(1, "")
+
+    got = NftKernel(runner=runner).expiring_entries("ip", "kube-proxy", ["affinity-A", "affinity-B"])
+    assert got == {"affinity-A": [("10.0.0.1", 99000)]}
+
+
+def test_endpoint_map_elements_are_encoded_as_the_kernel_stores_them():
+    # As `nft --debug=netlink add element ip m eps { 2 : 10.1.1.3 . 80 }` shows: key word
+    # 00000002 (host order), data 0301010a 00005000 (address, port padded to 4 bytes).
+    import struct
+    key, data = nc.encode_element("endpoints-tcp", "2 : 10.1.1.3 . 80")
+    assert key == struct.pack("=I", 2) and data == bytes([10, 1, 1, 3, 0, 80, 0, 0])
+    assert nc.encode_element("endpoints-udp", "7") == (struct.pack("=I", 7), b"")
+    assert nc.encode_element("hairpin-ips", "10.0.0.1 . 10.0.0.1") == (bytes([10, 0, 0, 1] * 2), b"")
+    assert nc.encode_element("service-ips", "10.96.0.1 . tcp . 80 : goto x") is None
+    assert nc.encode_element("endpoints-tcp", "x : 10.1.1.3 . 80") is None
+
+
+def test_endpoint_slots_are_stable_per_chain_grow_and_never_reuse_keys():
+    slots = nc.EndpointSlots()
+    a = slots("service-A", 3)
+    b = slots("service-B", 100)
+    assert (a, b) == (0, 64) and slots("service-A", 64) == a
+    grown = slots("service-A", 65)  # past its block: a new, larger one
+    assert grown == 64 + 128 and slots("service-B", 100) == 64
+    slots.keep_only({"service-B"})
+    assert slots("service-A", 1) == 64 + 128 + 128  # freed keys are not handed out again
+    assert slots("service-C", nc.EndpointSlots.MAX + 1) is None
+
+
+def test_service_chain_draws_from_its_block_of_the_protocol_map():
+    sp = ServicePort(SVC1, "172.30.0.41", 80, "TCP")
+    inline = replace(CFG, endpoint_chains=False)
+    slots = nc.EndpointSlots()
+    slots("service-OTHER", 1)  # another chain holds keys 0-63
+    out = nc.compile_service([sp], {sp.name: [EP1, EP2, EP3]}, inline, slots)
+    assert out.chains[S1][1:] == ["meta l4proto tcp dnat ip to numgen random mod 3 offset 64 map @endpoints-tcp-01"]
+    assert out.elements["endpoints-tcp-01"] == ["64 : 10.180.0.1 . 80", "65 : 10.180.0.2 . 80", "66 : 10.180.0.3 . 80"]
+    assert {"endpoints-tcp-00", "endpoints-sctp-31"} <= set(nc.infrastructure(inline).sets)
+    # Without slots (the module), with affinity, or endpoint_maps=False: one dnat rule per endpoint.
+    plain = nc.compile_service([sp], {sp.name: [EP1, EP2]}, inline)
+    assert not [w for w in plain.elements if w.startswith("endpoints-")]
+    assert "endpoints-tcp-01" not in nc.compile_service([sp], {sp.name: [EP1]}, replace(inline, endpoint_maps=False),
+                                                        slots).elements
+    sticky = ServicePort(SVC1, "172.30.0.41", 80, "TCP", session_affinity_seconds=60)
+    assert "endpoints-tcp-01" not in nc.compile_service([sticky], {sp.name: [EP1]}, inline, slots).elements

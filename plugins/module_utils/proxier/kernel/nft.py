@@ -11,11 +11,13 @@ these nodes, and the cost of a large load is the kernel's and nft's parser eithe
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import subprocess
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import KernelError, Unavailable
-from .nft_netlink import RuleCounter
+from .nft_netlink import ElementOps, RuleCounter
 
 
 class NftError(KernelError):
@@ -48,6 +50,17 @@ class NftKernel:
         if proc.returncode != 0:
             raise NftError(f"nft -f failed ({proc.returncode}): {_first_lines(proc.stderr)}")
 
+    def apply_elements(self, family: str, table: str, ops: ElementOps) -> None:
+        """Element additions and deletions as one nfnetlink batch (one transaction, as
+        ``nft -f``, without nft's fetch of every chain first). Raises Unavailable when
+        netlink cannot be used here (the caller writes the same change with ``nft -f``),
+        KernelError when the kernel refuses it (nothing applied)."""
+        if self._run is not subprocess.run:  # a test's runner stands in for nft: nft it is
+            raise Unavailable("nft runner replaced")
+        if self._counter is None:
+            self._counter = RuleCounter(self.netns)
+        self._counter.element_batch(family, table, ops)
+
     def table_exists(self, family: str, table: str) -> bool:
         """Asked over netlink (kernel/nft_netlink.py): constant cost, where ``nft list tables``
         reads every table's rules first (seconds beside iptables-nft's tables at scale)."""
@@ -76,6 +89,53 @@ class NftKernel:
             line = line.strip()
             if line.startswith("elements = {"):
                 out.extend(e.strip() for e in line[len("elements = {"):].rstrip("}").split(",") if e.strip())
+        return out
+
+    def expiring_entries(self, family: str, table: str, names: Iterable[str]) -> Dict[str, List[Tuple[str, int]]]:
+        """Per set of ``names`` (address sets with timeouts, as the affinity sets): its
+        entries as (address, milliseconds until expiry). Sets (or a table) that are not
+        there are left out. Over netlink one element dump per set (the set's cost, not the
+        table's); ``nft -j list set`` per set when netlink cannot be used."""
+        names = list(names)
+        if self._run is subprocess.run:  # a test's runner stands in for nft: ask it
+            if self._counter is None:
+                self._counter = RuleCounter(self.netns)
+            try:
+                return self._expiring_netlink(family, table, names)
+            except (Unavailable, KernelError):
+                pass
+        out: Dict[str, List[Tuple[str, int]]] = {}
+        for name in names:
+            proc = self._run(self._argv("-j", "list", "set", family, table, name), capture_output=True, text=True,
+                             check=False)
+            if proc.returncode != 0:
+                continue
+            try:
+                doc = json.loads(proc.stdout)
+            except ValueError:
+                continue
+            entries: List[Tuple[str, int]] = []
+            for obj in doc.get("nftables", []):
+                for e in (obj.get("set") or {}).get("elem", []):
+                    elem = e.get("elem") if isinstance(e, dict) else None
+                    if isinstance(elem, dict) and isinstance(elem.get("val"), str) and elem.get("expires"):
+                        try:  # the address goes back into nft text: only a parsed one
+                            entries.append((str(ipaddress.ip_address(elem["val"])), int(elem["expires"]) * 1000))
+                        except ValueError:
+                            continue
+            out[name] = entries
+        return out
+
+    def _expiring_netlink(self, family: str, table: str, names: List[str]) -> Dict[str, List[Tuple[str, int]]]:
+        out: Dict[str, List[Tuple[str, int]]] = {}
+        if self._counter is None or not self._counter.table_exists(family, table):
+            return out
+        for name in names:
+            found = self._counter.set_elements(family, table, name)
+            if found is None:
+                continue
+            out[name] = [(str(ipaddress.ip_address(key)), ms) for key, ms in found
+                         if ms and len(key) in (4, 16)]
         return out
 
     def rule_counts(self, family: str, table: str, chains: Iterable[str]) -> Dict[str, int]:

@@ -12,10 +12,11 @@ Imports nothing above kernel/.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 import threading
-from typing import Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import KernelError, Unavailable
 
@@ -29,6 +30,24 @@ NFT_MSG_NEWRULE = 6
 NFT_MSG_GETRULE = 7
 NFTA_RULE_TABLE = 1
 NFTA_RULE_CHAIN = 2
+NFT_MSG_NEWSETELEM = 12
+NFT_MSG_GETSETELEM = 13
+NFTA_SET_ELEM_LIST_TABLE = 1
+NFTA_SET_ELEM_LIST_SET = 2
+NFTA_SET_ELEM_LIST_ELEMENTS = 3
+NFTA_LIST_ELEM = 1
+NFTA_SET_ELEM_KEY = 1
+NFTA_SET_ELEM_EXPIRATION = 5
+NFTA_DATA_VALUE = 1
+NLA_TYPE_MASK = 0x3FFF
+NLA_F_NESTED = 0x8000
+NFT_MSG_DELSETELEM = 14
+NFTA_SET_ELEM_DATA = 2
+NFNL_MSG_BATCH_BEGIN = 0x10
+NFNL_MSG_BATCH_END = 0x11
+NLM_F_CREATE = 0x400
+# (verb "add"/"delete", set name, [(key bytes, data bytes or b"" for a set or a delete)])
+ElementOps = List[Tuple[str, str, List[Tuple[bytes, bytes]]]]
 NLM_F_REQUEST = 0x1
 NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
@@ -44,6 +63,53 @@ class NetlinkError(KernelError):
 def _attr(kind: int, value: bytes) -> bytes:
     data = struct.pack("=HH", 4 + len(value), kind) + value
     return data + b"\0" * (-len(data) % 4)
+
+
+def _attrs(data: bytes, start: int = 0, end: Optional[int] = None) -> Iterator[Tuple[int, bytes]]:
+    """(type, payload) of the netlink attributes in ``data[start:end]``."""
+    end = len(data) if end is None else end
+    while start + 4 <= end:
+        length, kind = struct.unpack_from("=HH", data, start)
+        if length < 4:
+            break
+        yield kind & NLA_TYPE_MASK, data[start + 4:start + length]
+        start += (length + 3) & ~3
+
+
+def _elements(payload: bytes) -> List[Tuple[bytes, Optional[int]]]:
+    """(key, milliseconds until expiry or None) of one NEWSETELEM message body."""
+    out: List[Tuple[bytes, Optional[int]]] = []
+    for kind, value in _attrs(payload, 4):  # after the nfgenmsg header
+        if kind != NFTA_SET_ELEM_LIST_ELEMENTS:
+            continue
+        for ekind, elem in _attrs(value):
+            if ekind != NFTA_LIST_ELEM:
+                continue
+            key = b""
+            expires: Optional[int] = None
+            for akind, attr in _attrs(elem):
+                if akind == NFTA_SET_ELEM_KEY:
+                    key = next((v for k, v in _attrs(attr) if k == NFTA_DATA_VALUE), b"")
+                elif akind == NFTA_SET_ELEM_EXPIRATION and len(attr) == 8:
+                    (expires,) = struct.unpack(">Q", attr)
+            if key:
+                out.append((key, expires))
+    return out
+
+
+def _nested(kind: int, value: bytes) -> bytes:
+    return _attr(kind | NLA_F_NESTED, value)
+
+
+def _element_message(family: str, table: str, name: str, elems: List[Tuple[bytes, bytes]]) -> bytes:
+    body = b""
+    for key, data in elems:
+        attrs = _nested(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, key))
+        if data:
+            attrs += _nested(NFTA_SET_ELEM_DATA, _attr(NFTA_DATA_VALUE, data))
+        body += _nested(NFTA_LIST_ELEM, attrs)
+    return (struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+            + _attr(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0") + _nested(NFTA_SET_ELEM_LIST_ELEMENTS, body))
 
 
 def open_socket(netns: str = "") -> socket.socket:
@@ -102,6 +168,81 @@ class RuleCounter:
                 self.close()
                 raise NetlinkError(f"nftables table lookup of {family} {table} failed: {e}") from None
 
+    def set_elements(self, family: str, table: str, name: str) -> Optional[List[Tuple[bytes, Optional[int]]]]:
+        """The elements of one set as (key bytes, milliseconds until the entry expires or
+        None): one element dump naming the set, so the cost is that set's, not the table's.
+        None when the kernel has no such set (or table)."""
+        body = struct.pack("=BBH", FAMILIES[family], 0, 0)
+        body += _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+        body += _attr(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0")
+        found: List[Tuple[bytes, Optional[int]]] = []
+        with self._lock:
+            try:
+                n = self._exchange(NFT_MSG_GETSETELEM, NLM_F_DUMP, body, NFT_MSG_NEWSETELEM,
+                                   f"nftables element dump of {family} {table} {name}",
+                                   lambda payload: found.extend(_elements(payload)))
+            except OSError as e:
+                self.close()
+                raise NetlinkError(f"nftables element dump of {family} {table} {name} failed: {e}") from None
+        return None if n is None else found
+
+    def element_batch(self, family: str, table: str, ops: ElementOps) -> None:
+        """Add and delete set/map elements in one nfnetlink batch: one transaction, all or
+        nothing, as ``nft -f`` (which first fetches every chain of the table: 35-70 ms at
+        10,000 services). Raises NetlinkError naming the refused set."""
+        msgs: List[bytes] = []
+        names: Dict[int, str] = {}
+        with self._lock:
+            try:
+                sock = self._socket()
+            except OSError as e:  # no nfnetlink here
+                raise NetlinkError(f"nftables element batch: {e}") from None
+            self._seq += 1
+            msgs.append(_HDR.pack(_HDR.size + 4, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, self._seq, 0)
+                        + struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES)))
+            for verb, name, elems in ops:
+                if not elems:
+                    continue
+                self._seq += 1
+                kind = (NFNL_SUBSYS_NFTABLES << 8) | (NFT_MSG_NEWSETELEM if verb == "add" else NFT_MSG_DELSETELEM)
+                flags = NLM_F_REQUEST | NLM_F_ACK | (NLM_F_CREATE if verb == "add" else 0)
+                body = _element_message(family, table, name, elems)
+                msgs.append(_HDR.pack(_HDR.size + len(body), kind, flags, self._seq, 0) + body)
+                names[self._seq] = f"{verb} element {family} {table} {name}"
+            self._seq += 1
+            msgs.append(_HDR.pack(_HDR.size + 4, NFNL_MSG_BATCH_END, NLM_F_REQUEST, self._seq, 0)
+                        + struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES)))
+            if not names:
+                return
+            try:
+                sock.send(b"".join(msgs))
+                self._acks(sock, names)
+            except OSError as e:
+                self.close()
+                raise NetlinkError(f"nftables element batch failed: {e}") from None
+            except NetlinkError:
+                self.close()  # the kernel may still answer the batch's other messages
+                raise
+
+    def _acks(self, sock: socket.socket, names: Dict[int, str]) -> None:
+        """Wait for the kernel's answer to every message of the batch (NLM_F_ACK): an ack
+        when the batch was committed, the refused message's error when not."""
+        waiting = set(names)
+        while waiting:
+            data = sock.recv(1 << 16)
+            offset = 0
+            while offset + _HDR.size <= len(data):
+                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
+                if length < _HDR.size:
+                    raise NetlinkError("malformed netlink message")
+                if mtype == NLMSG_ERROR and mseq in waiting:
+                    (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
+                    if code != 0:
+                        raise NetlinkError(f"{names[mseq]}: {errno.errorcode.get(-code, -code)} "
+                                           f"({os.strerror(-code)})")
+                    waiting.discard(mseq)
+                offset += (length + 3) & ~3
+
     def _get_table(self, family: str, table: str) -> bool:
         body = struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_TABLE_NAME, table.encode() + b"\0")
         return bool(self._exchange(NFT_MSG_GETTABLE, NLM_F_ACK, body, NFT_MSG_NEWTABLE,
@@ -113,9 +254,11 @@ class RuleCounter:
         return self._exchange(NFT_MSG_GETRULE, NLM_F_DUMP, body, NFT_MSG_NEWRULE,
                               f"nftables rule dump of {family} {table} {chain}")
 
-    def _exchange(self, request: int, flags: int, body: bytes, counted: int, what: str) -> Optional[int]:
+    def _exchange(self, request: int, flags: int, body: bytes, counted: int, what: str,
+                  each: Optional[Callable[[bytes], object]] = None) -> Optional[int]:
         """Send one nftables request; the number of ``counted`` messages answering it (at the
-        dump's end or the kernel's ack), None when the kernel says ENOENT."""
+        dump's end or the kernel's ack), None when the kernel says ENOENT. ``each`` gets the
+        body of every counted message."""
         sock = self._socket()
         self._seq += 1
         seq = self._seq
@@ -141,4 +284,6 @@ class RuleCounter:
                         raise NetlinkError(f"{what}: {errno.errorcode.get(-code, -code)}")
                     if mtype == (NFNL_SUBSYS_NFTABLES << 8) | counted:
                         count += 1
+                        if each is not None:
+                            each(data[offset + _HDR.size:offset + length])
                 offset += (length + 3) & ~3

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
+import struct
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...endpoints import categorize
 from ...kernel import text
@@ -55,6 +57,22 @@ SHARED_ELEMENT_SETS = frozenset({HAIRPIN_IPS, "cluster-ips"})
 REJECT_CHAIN = "reject-chain"
 # Per-service object name prefixes: only these are ever deleted by a sync.
 SERVICE_PREFIXES = ("service-", "external-", "local-", "firewall-", "endpoint-", "affinity-")
+# Not upstream's: the endpoints of every service chain as elements of one map per protocol
+# (``endpoints-tcp``...), keyed by the draw: ``numgen random mod k offset BASE map
+# @endpoints-tcp``, BASE a block of keys the proxier gives the chain (EndpointSlots). An
+# endpoint replaced is then element updates, which the kernel commits without validating
+# the table's chain graph (a rule with a dnat or jump makes it walk every chain: 75-160 ms
+# at 10,000 services). A few maps, not one per service: the kernel looks sets up by name in
+# a list (10,000 named maps: a cold load 4-5x slower); and not one map for all: every element
+# added to a map is checked against every rule using the map (one map: cold load 2x slower).
+# ENDPOINT_MAP_SHARDS maps per protocol, a chain's key block deciding its map.
+ENDPOINT_MAP_PREFIX = "endpoints-"
+ENDPOINT_MAP_PROTOCOLS = ("tcp", "udp", "sctp")
+ENDPOINT_MAP_SHARDS = 32
+
+
+def endpoint_map(proto: str, base: int) -> str:
+    return f"{ENDPOINT_MAP_PREFIX}{proto}-{base // 64 % ENDPOINT_MAP_SHARDS:02d}"
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,10 @@ class NftablesConfig:
     # cluster-ips-check then drops new connections to addresses in them that no Service
     # holds. Empty: not known, no such rule (as upstream).
     service_cidrs: Tuple[str, ...] = ()
+    # Inlined layout, services without ClientIP affinity: the endpoints as elements of the
+    # endpoints-<proto> maps (ENDPOINT_MAP_PREFIX) instead of one dnat rule each, when the
+    # caller gives key blocks (compile_service's ``slots``). False: the rules.
+    endpoint_maps: bool = True
 
     @property
     def mark(self) -> str:
@@ -182,18 +204,27 @@ def _endpoint_choice(targets: Sequence[str], cfg: NftablesConfig, goto: bool = T
 # --- per service -------------------------------------------------------------------------
 
 
-def compile_service(ports: Sequence[ServicePort], endpoints: Dict, cfg: NftablesConfig) -> ServiceNft:
+# chain name, endpoint count -> the first key of a block of at least that many keys in the
+# endpoints-<proto> map that only this chain uses, or None (write dnat rules instead).
+Slots = Callable[[str, int], Optional[int]]
+
+
+def compile_service(ports: Sequence[ServicePort], endpoints: Dict, cfg: NftablesConfig,
+                    slots: Optional[Slots] = None) -> ServiceNft:
     """Raises model.ValidationError (naming the object and field) for a field that cannot
-    be written into nft text: the caller leaves this service out."""
+    be written into nft text: the caller leaves this service out. ``slots``: see Slots
+    (the same chain and count must give the same block while the chain lives: the
+    output is cached)."""
     out = ServiceNft()
     for i, sp in enumerate(ports):
         checked.port_name(sp, i)  # cluster IP, port, protocol
         checked.port_extras(sp, i)
-        _compile_port(out, sp, endpoints.get(sp.name, []), cfg)
+        _compile_port(out, sp, endpoints.get(sp.name, []), cfg, slots)
     return out
 
 
-def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cfg: NftablesConfig) -> None:
+def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cfg: NftablesConfig,
+                  slots: Optional[Slots] = None) -> None:
     proto = svc.protocol.lower()
     n = svc.name
     base = chain_base(n.namespace, n.name, n.port, proto)
@@ -312,6 +343,15 @@ def _compile_port(out: ServiceNft, svc: ServicePort, eps: Sequence[Endpoint], cf
         if not used:
             continue
         rules = chains.setdefault(chain, [])
+        base = (slots(chain, len(members)) if slots is not None and inline and not affinity and cfg.endpoint_maps
+                and cfg.endpoint_selection != ENDPOINT_VMAP and proto in ENDPOINT_MAP_PROTOCOLS else None)
+        if base is not None:
+            emap = endpoint_map(proto, base)
+            k = len(members)
+            rules.append(f"meta l4proto {proto} dnat {af} to numgen random mod {k} offset {base} map @{emap}")
+            for i, ep in enumerate(members):
+                out.element(emap, f"{base + i} : {ep.ip} . {ep.port}")
+            continue
         if inline:
             if affinity:
                 rules.extend(f"{af} saddr @affinity-{ep_base[ep.addr]} {dnat(ep)}" for ep in members)
@@ -357,6 +397,12 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
     }
     if not cfg.endpoint_chains:
         sets[HAIRPIN_IPS] = f'type {addr_type} . {addr_type} ; comment "endpoint IP . endpoint IP: hairpin traffic" ;'
+        if cfg.endpoint_maps:
+            for proto in ENDPOINT_MAP_PROTOCOLS:
+                for shard in range(ENDPOINT_MAP_SHARDS):
+                    sets[endpoint_map(proto, shard * 64)] = (
+                        f"typeof numgen random mod 1 : {af} daddr . {proto} dport ; "
+                        'comment "service chain key block + endpoint draw -> endpoint" ;')
 
     chains = {
         "filter-prerouting": "type filter hook prerouting priority dstnat - 10 ;",
@@ -416,6 +462,47 @@ def infrastructure(cfg: NftablesConfig) -> Infrastructure:
 ELEMENTS_PER_LINE = 1000  # nft parses one long element list faster than many commands
 
 
+class EndpointSlots:
+    """Key blocks of the endpoints-<proto> maps, one per service chain (compile_service's
+    ``slots``): stable while the chain lives and fits its block, so an endpoint change
+    rewrites elements only. Blocks are never reused (keys freed in one transaction and
+    taken in the same one would look like two services claiming a key): the u32 key space
+    holds 33 million 64-key blocks; past it, or past MAX endpoints, dnat rules are written."""
+
+    BLOCK = 64
+    MAX = 1 << 16
+    LIMIT = 1 << 31
+
+    def __init__(self) -> None:
+        self.blocks: Dict[str, Tuple[int, int]] = {}  # chain -> (first key, size)
+        self.next = 0
+
+    def __call__(self, chain: str, count: int) -> Optional[int]:
+        have = self.blocks.get(chain)
+        if have is not None and have[1] >= count:
+            return have[0]
+        if count > self.MAX:
+            return None
+        size = self.BLOCK
+        while size < count:
+            size *= 2
+        if self.next + size > self.LIMIT:
+            return None
+        self.blocks[chain] = (self.next, size)
+        self.next += size
+        return self.blocks[chain][0]
+
+    def keep_only(self, chains: Set[str]) -> None:
+        """Forget the blocks of chains that are gone (after a full sync): memory, not keys."""
+        for chain in [c for c in self.blocks if c not in chains]:
+            del self.blocks[chain]
+
+
+def set_kind(decl: str) -> str:
+    """``map`` or ``set``, by the declaration (a map's type has a ``key : data`` part)."""
+    return "map" if " : " in decl else "set"
+
+
 def table_head(cfg: NftablesConfig) -> str:
     return f"{cfg.family} {TABLE}"
 
@@ -425,6 +512,28 @@ def elements_text(head: str, verb: str, where: str, elems: Sequence[str]) -> Lis
     for i in range(0, len(elems), ELEMENTS_PER_LINE):
         out.append(f"{verb} element {head} {where} {{ {', '.join(elems[i:i + ELEMENTS_PER_LINE])} }}")
     return out
+
+
+def encode_element(where: str, elem: str) -> Optional[Tuple[bytes, bytes]]:
+    """(key, data) as the kernel stores an element of ``hairpin-ips`` or an ``endpoints-*``
+    map (data b"" for a set, or a map element named by its key to delete it): the
+    elements an endpoint change touches, written over netlink (kernel/nft_netlink.py).
+    None for any other set: nft writes those. Concatenated fields are padded to 4 bytes;
+    numgen's number is a host-order u32."""
+    try:
+        if where == HAIRPIN_IPS:
+            a, b = elem.split(" . ")
+            return ipaddress.ip_address(a.strip()).packed + ipaddress.ip_address(b.strip()).packed, b""
+        if where.startswith(ENDPOINT_MAP_PREFIX):
+            key, sep, data = elem.partition(" : ")
+            k = struct.pack("=I", int(key))
+            if not sep:
+                return k, b""
+            addr, port = data.split(" . ")
+            return k, ipaddress.ip_address(addr.strip()).packed + struct.pack("!H", int(port)) + b"\0\0"
+    except ValueError:
+        return None
+    return None
 
 
 def element_key(elem: str) -> str:
@@ -481,15 +590,14 @@ def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig,
     lines = [f"add table {head}", f"delete table {head}",
              f'add table {head} {{ comment "rules for kube-proxy" ; }}']
     for name, decl in infra.sets.items():
-        kind = "map" if ": verdict" in decl else "set"
-        lines.append(f"add {kind} {head} {name} {{ {decl} }}")
+        lines.append(f"add {set_kind(decl)} {head} {name} {{ {decl} }}")
     for name, decl in infra.chains.items():
         lines.append(f"add chain {head} {name}" + (f" {{ {decl} }}" if decl else ""))
     keys = sorted(compiled)
     for key in keys:  # declare every service chain and set first: rules reference them
         svc = compiled[key]
         for name, decl in svc.sets.items():
-            lines.append(f"add set {head} {name} {{ {decl} }}")
+            lines.append(f"add {set_kind(decl)} {head} {name} {{ {decl} }}")
         for name in svc.chains:
             lines.append(f"add chain {head} {name}")
     for name, rules in infra.rules.items():
@@ -505,6 +613,23 @@ def render_full(compiled: Dict[str, ServiceNft], cfg: NftablesConfig,
     for where in sorted(elements):
         lines.extend(elements_text(head, "add", where, elements[where]))
     return "\n".join(lines) + "\n"
+
+
+def kept_entries_text(head: str, sets: Dict[str, str], entries: Dict[str, List[Tuple[str, int]]]) -> str:
+    """Affinity entries read before a full rewrite, re-added to the new table's sets of
+    the same name (same service port and endpoint) with the time they had left, capped at
+    the set's timeout now (the kernel refuses a longer expiry). ``sets``: name ->
+    declaration, of the new table; ``entries``: name -> (address, ms left)."""
+    lines: List[str] = []
+    for name in sorted(entries):
+        decl = sets.get(name)
+        if decl is None or not entries[name]:
+            continue
+        m = re.search(r"timeout (\d+)s", decl)
+        cap = int(m.group(1)) * 1000 if m else 0
+        elems = [f"{addr} expires {min(ms, cap) if cap else ms}ms" for addr, ms in entries[name] if ms > 0]
+        lines.extend(elements_text(head, "add", name, elems))
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def cleanup_text(cfg: NftablesConfig) -> str:

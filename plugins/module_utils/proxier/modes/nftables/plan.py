@@ -13,9 +13,9 @@ the same transaction, once no element or rule of the transaction refers to them 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from .compile import SHARED_ELEMENT_SETS, ServiceNft, elements_text
+from .compile import SHARED_ELEMENT_SETS, ServiceNft, elements_text, set_kind
 
 Refs = Dict[str, Dict[str, int]]  # shared set -> element -> how many services add it
 
@@ -27,6 +27,9 @@ class Plan:
     rules_written: int = 0
     # How the counts of shared-set elements change once this plan is applied (apply_refs()).
     ref_delta: Refs = field(default_factory=dict)
+    # When the transaction is element updates only (an endpoint replaced): (verb, set,
+    # elements) in the text's order, for a writer that needs no nft (kernel/nft_netlink.py).
+    element_ops: List[Tuple[str, str, List[str]]] = field(default_factory=list)
 
 
 def count_refs(compiled: Dict[str, ServiceNft]) -> Refs:
@@ -96,7 +99,7 @@ def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str,
                 changes.append(f"+{where} {len(added)} element(s) of {key}")
         for name, decl in n.sets.items():
             if name not in o.sets:
-                declare.append(f"add set {head} {name} {{ {decl} }}")
+                declare.append(f"add {set_kind(decl)} {head} {name} {{ {decl} }}")
                 changes.append(f"+set {name}")
         for name, body in n.chains.items():
             was = o.chains.get(name)
@@ -117,7 +120,7 @@ def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str,
                 changes.append(f"-chain {name}")
         for name in o.sets:
             if name not in n.sets:
-                delete_gone.append(f"delete set {head} {name}")
+                delete_gone.append(f"delete {set_kind(o.sets[name])} {head} {name}")
                 changes.append(f"-set {name}")
     for where, d in delta.items():
         was = refs.get(where, {})
@@ -138,4 +141,8 @@ def plan_partial(head: str, old: Dict[str, Optional[ServiceNft]], new: Dict[str,
         lines.extend(elements_text(head, "add", where, add_elems[where]))
     lines.extend(flush_gone)
     lines.extend(delete_gone)
-    return Plan("\n".join(lines) + "\n" if lines else "", changes, written, delta)
+    ops: List[Tuple[str, str, List[str]]] = []
+    if not declare and not rules and not flush_gone and not delete_gone:
+        ops = [("delete", w, delete_elems[w]) for w in sorted(delete_elems)]
+        ops += [("add", w, add_elems[w]) for w in sorted(add_elems)]
+    return Plan("\n".join(lines) + "\n" if lines else "", changes, written, delta, ops)

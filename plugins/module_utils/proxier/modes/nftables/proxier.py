@@ -30,7 +30,7 @@ from ...model import ValidationError
 from ...provider import ProxierBase, SyncResult
 from ...state import ProxyState
 from . import compile as nc
-from .plan import Refs, apply_refs, count_refs, plan_partial
+from .plan import Plan, Refs, apply_refs, count_refs, plan_partial
 
 
 def nftables_config(cfg: Any, ipt_cfg: Any, netns: str, family: str = "ip") -> nc.NftablesConfig:
@@ -75,6 +75,8 @@ class NftablesProxier(ProxierBase):
         self._last_rewrite = float("-inf")
         self._expected: Dict[str, int] = {}  # node-wide chain -> rules written (check())
         self._expected_cfg: Optional[nc.NftablesConfig] = None
+        self._slots = nc.EndpointSlots()  # endpoints-<proto> map keys per service chain
+        self._netlink_elements: Optional[bool] = None  # False: element batches over netlink failed to open
 
     @property
     def head(self) -> str:
@@ -86,7 +88,7 @@ class NftablesProxier(ProxierBase):
             self.rejected.pop(key, None)
             return None
         try:
-            out = nc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg)
+            out = nc.compile_service(self.state.ports_of(key), self.state.endpoints_for(key), self.cfg, self._slots)
         except ValidationError as e:
             self.rejected[key] = str(e)
             return last_good
@@ -129,18 +131,35 @@ class NftablesProxier(ProxierBase):
             if out is not None:
                 compiled[key] = out
         resolved = nc.resolve(compiled)
-        script = nc.render_full(compiled, self.cfg, resolved)
+        script = nc.render_full(compiled, self.cfg, resolved) + self._kept_affinity(compiled)
         compile_s = time.monotonic() - start
         t = time.monotonic()
         self.kernel.apply(script)
         apply_s = time.monotonic() - t
         self.applied = compiled
+        self._slots.keep_only({c for svc in compiled.values() for c in svc.chains})
         self._refs = count_refs(compiled)
         self._own = resolved[1]
         self._applied_cfg = self.cfg
         self._last_rewrite = time.monotonic()
         self._recount()
         return self._result(True, self._counts.get("rules", 0), ["table replaced"], compile_s, apply_s, start)
+
+    def _kept_affinity(self, compiled: Dict[str, nc.ServiceNft]) -> str:
+        """The ClientIP affinity entries the rewrite would lose (the table is deleted and
+        made anew), read from the kernel and re-added to the new sets of the same name with
+        the time they had left: a client keeps its backend across a full sync (and a
+        restart of the proxy). One netlink element dump per affinity set; a failure to read
+        costs the entries, not the sync."""
+        sets = {name: decl for svc in compiled.values() for name, decl in svc.sets.items()
+                if name.startswith("affinity-")}
+        if not sets:
+            return ""
+        try:
+            entries = self.kernel.expiring_entries(self.cfg.family, nc.TABLE, sorted(sets))
+        except (KernelError, Unavailable, OSError):
+            return ""
+        return nc.kept_entries_text(self.head, sets, entries)
 
     def _partial(self, changed: Set[str], start: float) -> SyncResult:
         old: Dict[str, Optional[nc.ServiceNft]] = {}
@@ -156,7 +175,7 @@ class NftablesProxier(ProxierBase):
         p = plan_partial(self.head, old, new, self._refs)
         compile_s = time.monotonic() - start
         t = time.monotonic()
-        if p.text:
+        if p.text and not self._apply_elements(p):
             self.kernel.apply(p.text)
         apply_s = time.monotonic() - t
         apply_refs(self._refs, p.ref_delta)
@@ -171,6 +190,25 @@ class NftablesProxier(ProxierBase):
                 self.applied[key] = svc
                 _count(self._counts, svc, 1)
         return self._result(False, p.rules_written, p.changes, compile_s, apply_s, start)
+
+    def _apply_elements(self, p: Plan) -> bool:
+        """An element-only plan (an endpoint replaced) written over netlink: True when done.
+        False (nft -f then writes the text, same transaction) when the plan has more than
+        elements, an element of another set, or netlink cannot be used here."""
+        if not p.element_ops or self._netlink_elements is False:
+            return False
+        ops = []
+        for verb, where, elems in p.element_ops:
+            encoded = [nc.encode_element(where, e) for e in elems]
+            if any(e is None for e in encoded):
+                return False
+            ops.append((verb, where, [e for e in encoded if e is not None]))
+        try:
+            self.kernel.apply_elements(self.cfg.family, nc.TABLE, ops)
+        except Unavailable:
+            self._netlink_elements = False  # no pyroute2 for a named netns: nft from now on
+            return False
+        return True
 
     def _contested(self, new: Dict[str, Optional[nc.ServiceNft]]) -> bool:
         """A changed service lost a key to another, holds a key another wants, or now

@@ -226,7 +226,7 @@ def plan_service(head: str, current: Optional[Dict[str, Obj]], wanted: Optional[
             changes.append(f"+table {head}")
         for sname, decl in infra.sets.items():
             if sname not in cur_objs:
-                declare.append(f"add {'map' if ': verdict' in decl else 'set'} {head} {sname} {{ {decl} }}")
+                declare.append(f"add {nc.set_kind(decl)} {head} {sname} {{ {decl} }}")
                 changes.append(f"+set {sname}")
         for cname, decl in infra.chains.items():
             have = cur_objs.get(cname)
