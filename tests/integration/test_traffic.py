@@ -548,6 +548,15 @@ except socket.timeout:
 """
 
 
+# GET a health check node port over IPv6; prints the body.
+HEALTH6 = r"""
+import http.client, sys
+conn = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=2)
+conn.request("GET", "/")
+print(conn.getresponse().read().decode())
+"""
+
+
 def send6(lab, ns: str, dst: str, port: int, sport: int, timeout: float = 2.0) -> str:
     return lab.exec(ns, [sys.executable, "-c", SEND6, dst, str(port), str(sport), str(timeout)],
                     timeout=timeout + 15).stdout.strip()
@@ -677,7 +686,11 @@ def test_daemon_removes_stale_ipv6_udp_flows(dual_cluster, tmp_path):
     (it would otherwise stick to the old backend, still running here)."""
     c = dual_cluster
     manifests, log = tmp_path / "daemon6", tmp_path / "daemon6.log"
-    dns = [dual("dns", "10.96.0.53", "fd00:10:96::53", DNS)]
+    dns = [dual("dns", "10.96.0.53", "fd00:10:96::53", DNS),
+           # A health check node port, probed over IPv6 (its local endpoint is IPv6's).
+           dual("lb", "10.96.0.60", "fd00:10:96::60", [tcp(80, "http", node_port=30060)], type="LoadBalancer",
+                externalTrafficPolicy="Local", healthCheckNodePort=32060),
+           eps6("lb", [BACKENDS6["be3"]], HTTP_EP, node=NODE_NAME)]
     write_manifests(manifests, [*dns, eps6("dns", [BACKENDS6["be1"]], DNS_EP)])
     proc = c.spawn("node", [sys.executable, str(BIN), "--proxy-mode", c.mode, "--manifests", str(manifests),
                             "--hostname-override", NODE_NAME, "--cluster-cidr", DUAL_CIDRS,
@@ -687,6 +700,9 @@ def test_daemon_removes_stale_ipv6_udp_flows(dual_cluster, tmp_path):
         wait_for(lambda: send6(c.lab, "client", "fd00:10:96::53", 53, sport=42001, timeout=0.5) == "be1", 60,
                  what="the first sync")
         assert send6(c.lab, "client", "fd00:10:96::53", 53, sport=42053) == "be1"  # the long-lived flow
+        health = wait_for(lambda: c.exec("ext", [sys.executable, "-c", HEALTH6, NODE_IP6, "32060"],
+                                         check=False).stdout, 30, what="the health check node port over IPv6")
+        assert '"localEndpoints": 1' in health, health
         write_manifests(manifests, [*dns, eps6("dns", [BACKENDS6["be2"]], DNS_EP)])
         wait_for(lambda: send6(c.lab, "client", "fd00:10:96::53", 53, sport=42002, timeout=0.5) == "be2", 60)
         assert send6(c.lab, "client", "fd00:10:96::53", 53, sport=42053) == "be2"

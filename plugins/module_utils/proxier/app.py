@@ -155,8 +155,13 @@ class NodeHooks(Hooks):
                                             proxy_mode=cfg.mode, log=log)
         # Health check node ports are probed by the external load balancer, so like
         # NodePorts they listen on the NodePort addresses (all addresses by default).
-        bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and list(proxier.cfg.node_port_ips)
-        self.health_checks = HealthCheckServers(bind or "0.0.0.0", self.health, log=log)
+        # Dual-stack: the NodePort addresses of every family; by default "::", which also
+        # takes IPv4 connections (net.ipv6.bindv6only=0, Linux's default).
+        family_proxiers = list(getattr(proxier, "proxiers", {0: proxier}).values())
+        bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and [
+            ip for p in family_proxiers for ip in p.cfg.node_port_ips]
+        self.health_checks = HealthCheckServers(bind or ("::" if 6 in self.states else "0.0.0.0"), self.health,
+                                                log=log)
         self.hc_ports: Dict[Tuple[str, str], int] = {}
         self.hc_local: Dict[Tuple[str, str], int] = {}
         # Upstream's rule: a flow to a service IP:port (or NodePort) whose reply comes from
