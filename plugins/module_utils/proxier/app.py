@@ -7,6 +7,7 @@ as upstream; ``--cleanup`` removes them)."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -49,8 +50,10 @@ def served_families(cfg: kpconfig.ProxyConfig, netns: str = "",
 
     From the configuration when it says: ``clusterCIDR`` (one CIDR per family), else the
     CIDRs of ``nodePortAddresses``; otherwise the node's own addresses (loopback and IPv6
-    link-local left out), IPv4 first. A family the configured mode does not implement is
-    left out (IPVS: IPv4 only); a node with no address at all serves IPv4.
+    link-local left out), IPv4 first, IPv6 only where iptables-based modes find
+    ``ip6tables-restore`` (upstream: dual-stack when both families' iptables are present).
+    A family the configured mode does not implement is left out (IPVS: IPv4 only); a node
+    with no address at all serves IPv4.
     """
     families: List[int] = []
     configured = list(cfg.cluster_cidrs) or [c for c in cfg.node_port_addresses if c != "primary"]
@@ -68,6 +71,10 @@ def served_families(cfg: kpconfig.ProxyConfig, netns: str = "",
                 found = []
             if found:
                 families.append(family)
+        mode = modes.get(cfg.mode)
+        if 6 in families and len(families) > 1 and mode is not None and mode.backend == "iptables" \
+                and addresses is None and shutil.which("ip6tables-restore") is None:
+            families.remove(6)  # not asked for by the configuration: serve what this node can
     mode = modes.get(cfg.mode)
     supported = mode.families if mode is not None else (4,)
     families = [f for f in families if f in supported]
