@@ -513,3 +513,213 @@ def test_cleanup_removes_ours_and_leaves_foreign_rules(cluster):
                            "*filter\n-D INPUT -s 10.9.9.9/32 -j DROP\nCOMMIT\n")
         if nft:
             cluster.exec("node", ["nft", "delete", "table", "ip", "mine"], check=False)
+
+
+# --- IPv6 and dual-stack (iptables and nftables modes) -----------------------------------
+#
+# One dual-stack lab per mode: every pod and external host has an IPv6 address too, and
+# the node runs one proxier per family (``--cluster-cidr`` with one CIDR per family).
+# IPVS mode serves IPv4 only so far (IPv6 virtual servers, KUBE-6-* ipsets: not built):
+# a dual-stack IPVS node programs the IPv4 half, so it has no case here.
+
+DUAL_MODES = ["iptables", "nftables"]
+DUAL_CIDRS = "10.244.0.0/16,fd00:10:244::/48"
+BACKENDS6 = {"be1": "fd00:10:244::1:1", "be2": "fd00:10:244::1:2", "be3": "fd00:10:244::1:3"}
+CLIENT_IP6 = "fd00:10:244::2:10"
+EXT_IP6 = "fd00:50::2"
+NODE_IP6 = "fd00:50::1"
+WEB6 = "fd00:10:96::10"
+
+# One UDP datagram over IPv6 from a fixed source port (one flow per port); prints the backend.
+SEND6 = r"""
+import socket, sys
+dst, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::", sport))
+s.settimeout(float(sys.argv[4]))
+s.sendto(b"ping", (dst, port))
+try:
+    print(s.recvfrom(4096)[0].decode().split()[0])
+except socket.timeout:
+    print("timeout")
+"""
+
+
+# GET a health check node port over IPv6; prints the body.
+HEALTH6 = r"""
+import http.client, sys
+conn = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=2)
+conn.request("GET", "/")
+print(conn.getresponse().read().decode())
+"""
+
+
+def send6(lab, ns: str, dst: str, port: int, sport: int, timeout: float = 2.0) -> str:
+    return lab.exec(ns, [sys.executable, "-c", SEND6, dst, str(port), str(sport), str(timeout)],
+                    timeout=timeout + 15).stdout.strip()
+
+
+def eps6(service, ips, ports, **kw):
+    return {**eps(service, ips, ports, name=kw.pop("name", f"{service}-v6"), **kw), "addressType": "IPv6"}
+
+
+def dual(name, ip4, ip6, ports, **spec):
+    """A dual-stack Service (PreferDualStack, IPv4 primary)."""
+    return svc(name, ip4, ports, clusterIPs=[ip4, ip6], ipFamilies=["IPv4", "IPv6"],
+               ipFamilyPolicy="PreferDualStack", **spec)
+
+
+def single6(name, ip6, ports, **spec):
+    return svc(name, ip6, ports, ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack", **spec)
+
+
+@pytest.fixture(scope="module", params=DUAL_MODES)
+def dual_lab(request, tmp_path_factory):
+    reason = unavailable(request.param) or (None if shutil.which("ip6tables-restore") else "no ip6tables-restore")
+    if reason:
+        pytest.skip(reason)
+    lab = Lab(dual_stack=True)
+    try:
+        for name, ip in BACKENDS.items():
+            lab.add_pod(name, ip, ip6=BACKENDS6[name])
+        lab.add_client("client", CLIENT_IP, ip6=CLIENT_IP6)
+        lab.add_external("ext", EXT_IP, ip6=EXT_IP6)
+        yield Cluster(lab, request.param, tmp_path_factory.mktemp(f"manifests6-{request.param}"))
+    finally:
+        lab.close()
+
+
+@pytest.fixture
+def dual_cluster(dual_lab):
+    dual_lab.exec("node", ["conntrack", "-F"], check=False)
+    dual_lab.exec("node", ["conntrack", "-F", "-f", "ipv6"], check=False)
+    return dual_lab
+
+
+def apply_dual(cluster, objects, *args):
+    return cluster.apply(objects, "--cluster-cidr", DUAL_CIDRS, *args)
+
+
+def save6(cluster) -> str:
+    return cluster.exec("node", ["ip6tables-save"]).stdout
+
+
+def nft6(cluster) -> str:
+    proc = cluster.exec("node", ["nft", "list", "table", "ip6", "kube-proxy"], check=False)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def test_dual_stack_service_answers_on_both_families(dual_cluster):
+    c = dual_cluster
+    apply_dual(c, [dual("web", "10.96.0.10", WEB6, HTTP), eps("web", BACKENDS.values(), HTTP_EP),
+                   eps6("web", BACKENDS6.values(), HTTP_EP),
+                   dual("dns", "10.96.0.53", "fd00:10:96::53", DNS), eps("dns", BACKENDS.values(), DNS_EP),
+                   eps6("dns", BACKENDS6.values(), DNS_EP)])
+    replies = c.request_many("client", WEB6, 80, count=TRIES)  # IPv6 TCP
+    assert every_backend(c, replies)
+    assert {r.seen_client for r in replies} == {CLIENT_IP6}  # pod source kept
+    assert {r.server_ip for r in replies} == set(BACKENDS6.values())  # IPv6 endpoints, not IPv4 ones
+    replies = c.request_many("client", "10.96.0.10", 80, count=TRIES)  # the IPv4 half still works
+    assert every_backend(c, replies) and {r.seen_client for r in replies} == {CLIENT_IP}
+    replies = c.request_many("ext", WEB6, 80, count=TRIES)  # from outside the cluster CIDR: masqueraded
+    assert every_backend(c, replies) and {r.seen_client for r in replies} == {NODE_IP6}
+    assert every_backend(c, c.request_many("client", "fd00:10:96::53", 53, proto="udp", count=TRIES))
+    assert every_backend(c, c.request_many("client", "10.96.0.53", 53, proto="udp", count=TRIES))
+    # Each family's own ruleset: the IPv6 cluster IP only in the IPv6 one.
+    if c.mode == "iptables":
+        assert "-d fd00:10:96::10/128" in save6(c) and "fd00:" not in save(c.node)
+        assert "-d 10.96.0.10/32" in save(c.node)
+        assert not nft6(c)
+    else:
+        assert WEB6 in nft6(c) and "fd00:" not in c.nft_table() and "10.96.0.10" in c.nft_table()
+        assert "KUBE-" not in save6(c)
+
+
+def test_ipv6_service_without_endpoints_is_refused(dual_cluster):
+    c = dual_cluster
+    apply_dual(c, [single6("empty", "fd00:10:96::20", [tcp(80, "http", node_port=30020)], type="NodePort")])
+    # ICMPv6 port unreachable; 3 s: a reply racing the connect() (socket still locked) is
+    # dropped (TcpExtLockDroppedIcmps) and only the SYN retransmitted after 1 s gets its answer.
+    assert c.request("client", "fd00:10:96::20", 80, timeout=3).outcome == "refused"
+    assert c.request("ext", NODE_IP6, 30020, timeout=3).outcome == "refused"
+    if c.mode == "iptables":
+        assert "icmp6-port-unreachable" in save6(c)
+
+
+def test_nodeport_on_ipv6_node_address(dual_cluster):
+    c = dual_cluster
+    apply_dual(c, [dual("np", "10.96.0.30", "fd00:10:96::30", [tcp(80, "http", node_port=30080)], type="NodePort"),
+                   eps("np", BACKENDS.values(), HTTP_EP), eps6("np", BACKENDS6.values(), HTTP_EP),
+                   dual("npl", "10.96.0.31", "fd00:10:96::31", [tcp(80, "http", node_port=30081)], type="NodePort",
+                        externalTrafficPolicy="Local"),
+                   eps6("npl", [BACKENDS6["be1"]], HTTP_EP, node="node1", name="npl-a"),
+                   eps6("npl", [BACKENDS6["be2"]], HTTP_EP, node="node2", name="npl-b")])
+    replies = c.request_many("ext", NODE_IP6, 30080, count=TRIES)
+    assert every_backend(c, replies) and {r.seen_client for r in replies} == {NODE_IP6}
+    assert every_backend(c, c.request_many("ext", c.node_ip, 30080, count=TRIES))  # and on the IPv4 address
+    # externalTrafficPolicy Local over IPv6: the local endpoint only, the client's address kept.
+    replies = c.request_many("ext", NODE_IP6, 30081, count=10)
+    assert backends(replies) == Counter({"be1": 10}) and {r.seen_client for r in replies} == {EXT_IP6}
+    # No NodePort on ::1 (IPv6 has no route_localnet): nothing answers there.
+    assert not c.request("node", "::1", 30080, timeout=1).ok
+
+
+def test_ipv6_only_node_serves_ipv6_services_only(dual_cluster):
+    c = dual_cluster
+    c.proxy("--cleanup")  # the IPv4 rules of the previous tests go
+    c.apply([single6("web6", WEB6, HTTP), eps6("web6", BACKENDS6.values(), HTTP_EP),
+             svc("web4", "10.96.0.10", HTTP), eps("web4", BACKENDS.values(), HTTP_EP)],
+            "--cluster-cidr", "fd00:10:244::/48")
+    assert every_backend(c, c.request_many("client", WEB6, 80, count=TRIES))
+    assert not c.request("client", "10.96.0.10", 80, timeout=1).ok  # the IPv4 Service is not served
+    if c.mode == "iptables":
+        assert "KUBE-SVC-" in save6(c) and "KUBE-SVC-" not in save(c.node)
+    else:
+        assert nft6(c) and not c.nft_table()
+
+
+def test_daemon_removes_stale_ipv6_udp_flows(dual_cluster, tmp_path):
+    """The dual-stack daemon: an IPv6 UDP flow whose endpoint goes loses its conntrack entry
+    (it would otherwise stick to the old backend, still running here)."""
+    c = dual_cluster
+    manifests, log = tmp_path / "daemon6", tmp_path / "daemon6.log"
+    dns = [dual("dns", "10.96.0.53", "fd00:10:96::53", DNS),
+           # A health check node port, probed over IPv6 (its local endpoint is IPv6's).
+           dual("lb", "10.96.0.60", "fd00:10:96::60", [tcp(80, "http", node_port=30060)], type="LoadBalancer",
+                externalTrafficPolicy="Local", healthCheckNodePort=32060),
+           eps6("lb", [BACKENDS6["be3"]], HTTP_EP, node=NODE_NAME)]
+    write_manifests(manifests, [*dns, eps6("dns", [BACKENDS6["be1"]], DNS_EP)])
+    proc = c.spawn("node", [sys.executable, str(BIN), "--proxy-mode", c.mode, "--manifests", str(manifests),
+                            "--hostname-override", NODE_NAME, "--cluster-cidr", DUAL_CIDRS,
+                            "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0",
+                            "--iptables-min-sync-period", "0s"], stdout=log)
+    try:
+        wait_for(lambda: send6(c.lab, "client", "fd00:10:96::53", 53, sport=42001, timeout=0.5) == "be1", 60,
+                 what="the first sync")
+        assert send6(c.lab, "client", "fd00:10:96::53", 53, sport=42053) == "be1"  # the long-lived flow
+        health = wait_for(lambda: c.exec("ext", [sys.executable, "-c", HEALTH6, NODE_IP6, "32060"],
+                                         check=False).stdout, 30, what="the health check node port over IPv6")
+        assert '"localEndpoints": 1' in health, health
+        write_manifests(manifests, [*dns, eps6("dns", [BACKENDS6["be2"]], DNS_EP)])
+        wait_for(lambda: send6(c.lab, "client", "fd00:10:96::53", 53, sport=42002, timeout=0.5) == "be2", 60)
+        assert send6(c.lab, "client", "fd00:10:96::53", 53, sport=42053) == "be2"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "(IPv4 and IPv6)" in text and "sync failed" not in text, text
+
+
+def test_cleanup_removes_both_families(dual_cluster):
+    c = dual_cluster
+    apply_dual(c, [dual("web", "10.96.0.10", WEB6, HTTP), eps("web", BACKENDS.values(), HTTP_EP),
+                   eps6("web", BACKENDS6.values(), HTTP_EP)])
+    assert c.request("client", WEB6, 80).ok
+    c.proxy("--cleanup")
+    assert "KUBE-" not in save6(c) and "KUBE-" not in save(c.node)
+    assert not nft6(c) and not c.nft_table()
+    assert not c.request("client", WEB6, 80, timeout=1).ok

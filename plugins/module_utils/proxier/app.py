@@ -7,6 +7,7 @@ as upstream; ``--cleanup`` removes them)."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -37,10 +38,47 @@ def iptables_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) ->
     return options(cfg, netns, node=state.node)
 
 
-def served_family(cfg: kpconfig.ProxyConfig) -> int:
-    """The IP family the proxier programs. IPv4 only until dual-stack: Services and slices
-    of the other family are ignored (a dual-stack Service keeps its IPv4 half)."""
-    return 4
+def served_family(cfg: kpconfig.ProxyConfig, netns: str = "") -> int:
+    """The node's primary IP family (the first of served_families())."""
+    return served_families(cfg, netns)[0]
+
+
+def served_families(cfg: kpconfig.ProxyConfig, netns: str = "",
+                    addresses: Optional[Dict[int, List[str]]] = None) -> Tuple[int, ...]:
+    """The IP families this node serves, the primary one first (upstream: the node IP's
+    family first, and the other one too when the node can run it).
+
+    From the configuration when it says: ``clusterCIDR`` (one CIDR per family), else the
+    CIDRs of ``nodePortAddresses``; otherwise the node's own addresses (loopback and IPv6
+    link-local left out), IPv4 first, IPv6 only where iptables-based modes find
+    ``ip6tables-restore`` (upstream: dual-stack when both families' iptables are present).
+    A family the configured mode does not implement is left out (IPVS: IPv4 only); a node
+    with no address at all serves IPv4.
+    """
+    families: List[int] = []
+    configured = list(cfg.cluster_cidrs) or [c for c in cfg.node_port_addresses if c != "primary"]
+    for cidr in configured:
+        family = 6 if ":" in cidr else 4
+        if family not in families:
+            families.append(family)
+    if not families:
+        from .kernel.addresses import node_addresses
+
+        for family in (4, 6):
+            try:
+                found = addresses[family] if addresses is not None else node_addresses(netns, family, exclude_link="")
+            except (KernelError, OSError, KeyError):
+                found = []
+            if found:
+                families.append(family)
+        mode = modes.get(cfg.mode)
+        if 6 in families and len(families) > 1 and mode is not None and mode.backend == "iptables" \
+                and addresses is None and shutil.which("ip6tables-restore") is None:
+            families.remove(6)  # not asked for by the configuration: serve what this node can
+    mode = modes.get(cfg.mode)
+    supported = mode.families if mode is not None else (4,)
+    families = [f for f in families if f in supported]
+    return tuple(families) or (4,)
 
 
 def _mode(cfg: kpconfig.ProxyConfig) -> modes.Mode:
@@ -50,20 +88,42 @@ def _mode(cfg: kpconfig.ProxyConfig) -> modes.Mode:
     return mode
 
 
-def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str) -> Any:
-    """The compiler configuration of the configured mode (IptablesConfig, IpvsConfig, ...)."""
-    return _mode(cfg).make_config(cfg, netns, node=state.node)
+def proxier_config(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, family: int = 4) -> Any:
+    """The compiler configuration of the configured mode (IptablesConfig, IpvsConfig, ...)
+    for one IP family."""
+    return _mode(cfg).make_config(cfg, netns, node=state.node, family=family)
 
 
 def build_proxier(cfg: kpconfig.ProxyConfig, state: ProxyState, netns: str, kernel: IptablesKernel,
-                  log: Optional[LogFn] = None) -> Proxier:
-    """The configured mode's proxier (the registry's). Like upstream's NewProxier, iptables
-    mode sets route_localnet for localhost NodePorts (RuntimeError if it cannot)."""
+                  log: Optional[LogFn] = None, family: int = 4, remove_others: bool = True) -> Proxier:
+    """The configured mode's proxier (the registry's) for one IP family. Like upstream's
+    NewProxier, iptables mode sets route_localnet for localhost NodePorts (RuntimeError
+    if it cannot)."""
     mode = _mode(cfg)
-    ctx = modes.Context(config=cfg, netns=netns, iptables=kernel, log=log or modes.quiet,
-                        refresh=lambda: proxier_config(cfg, state, netns))
-    remove_other_backends(mode, ctx)
-    return mode.build(state, proxier_config(cfg, state, netns), ctx)
+    ctx = modes.Context(config=cfg, netns=netns, iptables=kernel.for_family(family), log=log or modes.quiet,
+                        refresh=lambda: proxier_config(cfg, state, netns, family), family=family)
+    if remove_others:
+        remove_other_backends(mode, ctx)
+    return mode.build(state, proxier_config(cfg, state, netns, family), ctx)
+
+
+def build_node_proxier(cfg: kpconfig.ProxyConfig, states: Dict[int, ProxyState], netns: str,
+                       kernel: IptablesKernel, log: Optional[LogFn] = None) -> Proxier:
+    """The node's proxier: one family's, or (dual-stack) a MetaProxier over one proxier
+    per family, the primary family first (``states``' order)."""
+    proxiers: Dict[int, Proxier] = {}
+    for i, (family, state) in enumerate(states.items()):
+        proxiers[family] = build_proxier(cfg, state, netns, kernel, log, family=family, remove_others=i == 0)
+    if len(proxiers) == 1:
+        return next(iter(proxiers.values()))
+    from .metaproxier import MetaProxier
+
+    return MetaProxier(proxiers)
+
+
+def node_states(cfg: kpconfig.ProxyConfig, hostname: str, netns: str) -> Dict[int, ProxyState]:
+    """One state per IP family the node serves, the primary family first."""
+    return {family: ProxyState(hostname) for family in served_families(cfg, netns)}
 
 
 def remove_other_backends(mode: modes.Mode, ctx: modes.Context) -> int:
@@ -88,9 +148,10 @@ class NodeHooks(Hooks):
     """Connects the daemon to health, metrics, health check node ports and conntrack."""
 
     def __init__(self, cfg: kpconfig.ProxyConfig, state: ProxyState, proxier: Proxier, netns: str,
-                 log: LogFn) -> None:
+                 log: LogFn, states: Optional[Dict[int, ProxyState]] = None) -> None:
         self.cfg = cfg
         self.state = state
+        self.states: Dict[int, ProxyState] = dict(states) if states else {4: state}
         self.proxier = proxier
         self.netns = netns
         self.log = log
@@ -101,8 +162,13 @@ class NodeHooks(Hooks):
                                             proxy_mode=cfg.mode, log=log)
         # Health check node ports are probed by the external load balancer, so like
         # NodePorts they listen on the NodePort addresses (all addresses by default).
-        bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and list(proxier.cfg.node_port_ips)
-        self.health_checks = HealthCheckServers(bind or "0.0.0.0", self.health, log=log)
+        # Dual-stack: the NodePort addresses of every family; by default "::", which also
+        # takes IPv4 connections (net.ipv6.bindv6only=0, Linux's default).
+        family_proxiers = list(getattr(proxier, "proxiers", {0: proxier}).values())
+        bind = [ip for ip in cfg.node_port_addresses if ip != "primary"] and [
+            ip for p in family_proxiers for ip in p.cfg.node_port_ips]
+        self.health_checks = HealthCheckServers(bind or ("::" if 6 in self.states else "0.0.0.0"), self.health,
+                                                log=log)
         self.hc_ports: Dict[Tuple[str, str], int] = {}
         self.hc_local: Dict[Tuple[str, str], int] = {}
         # Upstream's rule: a flow to a service IP:port (or NodePort) whose reply comes from
@@ -138,7 +204,12 @@ class NodeHooks(Hooks):
     def node_changed(self, node: Any) -> bool:
         if self.cfg.detect_local_mode != "NodeCIDR":
             return False
-        self.proxier.cfg = proxier_config(self.cfg, self.state, self.netns)
+        if hasattr(self.proxier, "proxiers"):  # dual-stack: each family its own pod CIDR
+            for family, p in self.proxier.proxiers.items():
+                p.cfg = proxier_config(self.cfg, p.state, self.netns, family)
+        else:
+            self.proxier.cfg = proxier_config(self.cfg, self.state, self.netns,
+                                              next(iter(self.states)) if self.states else 4)
         return True
 
     def synced(self, result: SyncResult, latencies: List[float]) -> None:
@@ -152,7 +223,7 @@ class NodeHooks(Hooks):
         if self.pending():
             # Changes queued while this sync ran are not in the kernel yet.
             self.health.queued_update()
-        keys = set(self.state.services) if result.full else result.changed
+        keys = set().union(*(st.services for st in self.states.values())) if result.full else result.changed
         self._health_checks(keys)
         self._conntrack(keys)
 
@@ -170,15 +241,20 @@ class NodeHooks(Hooks):
     def _health_checks(self, keys: Iterable[str]) -> None:
         for key in keys:
             ns, name = key.split("/", 1)
-            ports = self.state.ports_of(key)
-            hc = next((p.health_check_node_port for p in ports if p.health_check_node_port), 0)
+            # Dual-stack: one health check node port per Service, its local endpoints
+            # counted over both families.
+            per_family = [(st.ports_of(key), st) for st in self.states.values()]
+            hc = next((p.health_check_node_port for ports, _st in per_family for p in ports
+                       if p.health_check_node_port), 0)
             if not hc:
                 self.hc_ports.pop((ns, name), None)
                 self.hc_local.pop((ns, name), None)
                 continue
             self.hc_ports[(ns, name)] = hc
-            eps = self.state.endpoints_for(key)
-            local = {str(ep) for sp in ports for ep in categorize(eps.get(sp.name, []), sp).local}
+            local = set()
+            for ports, st in per_family:
+                eps = st.endpoints_for(key)
+                local |= {str(ep) for sp in ports for ep in categorize(eps.get(sp.name, []), sp).local}
             self.hc_local[(ns, name)] = len({e.rsplit(":", 1)[0] for e in local})
         failed = self.health_checks.sync_services(dict(self.hc_ports))
         for nsn, err in (failed or {}).items():
@@ -191,7 +267,8 @@ class NodeHooks(Hooks):
             return
         targets: List[ServiceTarget] = []
         for key in keys:
-            targets += udp_targets(self.state, key)
+            for st in self.states.values():  # IPv6 flows too: the cleaner dumps each family
+                targets += udp_targets(st, key)
         if not targets:
             return
         result = self.conntrack.cleanup(targets)
@@ -228,9 +305,10 @@ def udp_targets(state: ProxyState, key: str) -> List[ServiceTarget]:
 
 def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKernel, log: LogFn,
         verbose: bool = False, stop: Optional[threading.Event] = None) -> int:
-    state = ProxyState(hostname)
+    states = node_states(cfg, hostname, args.netns)
+    state = next(iter(states.values()))
     try:
-        proxier = build_proxier(cfg, state, args.netns, kernel, log)
+        proxier = build_node_proxier(cfg, states, args.netns, kernel, log)
     except RuntimeError as e:
         log(f"error: cannot start the {cfg.mode} proxier: {e}")
         return 1
@@ -244,8 +322,9 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
             log(found)
         if hasattr(proxier, "prefetch"):
             proxier.prefetch()  # the kernel listing runs while the sources load (below)
-    hooks = NodeHooks(cfg, state, proxier, args.netns, log)
-    daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks, family=served_family(cfg))
+    hooks = NodeHooks(cfg, state, proxier, args.netns, log, states=states)
+    daemon = Daemon(proxier, state, cfg.min_sync_period, cfg.sync_period, log, hooks, family=next(iter(states)),
+                    states=states)
     hooks.pending = daemon.has_pending
     if args.manifests:
         source: Any = ManifestsWatcher(args.manifests, daemon.on_batch, log,
@@ -261,7 +340,8 @@ def run(cfg: kpconfig.ProxyConfig, args: Any, hostname: str, kernel: IptablesKer
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_args: stop.set())
-    log(f"kubenode-proxy: {cfg.mode} mode, node {hostname}, source {what}")
+    log(f"kubenode-proxy: {cfg.mode} mode ({' and '.join(f'IPv{f}' for f in states)}), node {hostname}, "
+        f"source {what}")
     hooks.start()
     log(f"healthz on {hooks.health.address if cfg.healthz_bind_address else '(off)'}, "
         f"metrics on {hooks.metrics_server.address if cfg.metrics_bind_address else '(off)'}")

@@ -16,11 +16,11 @@ import os
 import socket
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from . import config as kpconfig
 from . import modes
-from .app import build_proxier, served_family
+from .app import build_node_proxier, node_states
 from .kernel.iptables import IptablesKernel, KernelError
 from .provider import RECORD_DIR
 from .sources.manifests import DEFAULT_MAX_FILE_BYTES
@@ -192,7 +192,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         _err(f"error: proxy mode {cfg.mode!r} is not implemented yet ({' or '.join(modes.names())})")
         return 2
     hostname = (cfg.hostname_override or socket.gethostname()).strip().lower()
-    state = ProxyState(hostname)
     kernel = IptablesKernel(netns=args.netns, binary=args.iptables)
 
     if args.cleanup:
@@ -207,13 +206,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         _err("error: --once needs --manifests DIR")
         return 2
 
+    states = node_states(cfg, hostname, args.netns)
     try:
-        rejected = _reload(state, args.manifests, served_family(cfg), args.manifests_max_file_bytes)
+        rejected = _reload(next(iter(states.values())), args.manifests, next(iter(states)),
+                           args.manifests_max_file_bytes, states=states)
     except OSError as e:  # the directory is missing or unreadable: program nothing
         _err(f"error: cannot read the manifests: {e}")
         return 1
     try:
-        proxier = build_proxier(cfg, state, args.netns, kernel, _log)
+        proxier = build_node_proxier(cfg, states, args.netns, kernel, _log)
     except RuntimeError as e:
         _err(f"error: {e}")
         return 1
@@ -243,6 +244,21 @@ def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
             continue
         if n:
             removed.append(f"{n} of {each.name} mode")
+    # IPv6: what a dual-stack or IPv6-only node left (ip6tables chains, the ip6 table).
+    # A node without IPv6 (tools, or the kernel's IPv6 tables) never ran an IPv6 proxier:
+    # a failure to look is said, not an error.
+    ctx6 = dataclasses.replace(ctx, family=6, leftovers_only=True,
+                               iptables=ctx.iptables.for_family(6) if ctx.iptables is not None else None)
+    for each in modes.cleanup_order(mode.name):
+        if 6 not in each.families:
+            continue
+        try:
+            n = each.clean(ctx6)
+        except (KernelError, OSError) as e:
+            _log(f"cleanup: could not look for {each.name} mode's IPv6 rules: {e}")
+            continue
+        if n:
+            removed.append(f"{n} of {each.name} mode (IPv6)")
     for err in failed:
         _err(f"error: cleanup failed: {err}")
     _log(f"cleanup: removed {' and '.join(removed) or 'nothing'} (objects: chains, virtual services, links, sets)")
@@ -250,7 +266,7 @@ def _cleanup(mode: modes.Mode, ctx: modes.Context) -> int:
 
 
 def _reload(state: ProxyState, directory: str, family: int = 4,
-            max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> int:
+            max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, states: Optional[Dict[int, ProxyState]] = None) -> int:
     """Load the manifests as the daemon does (its directory reader, then its intake rules
     for objects and this node's Node); returns how many objects or files were rejected
     (each named on stderr). Objects ignored by design (headless, ExternalName, another IP
@@ -266,7 +282,7 @@ def _reload(state: ProxyState, directory: str, family: int = 4,
 
     tracker = DirectoryTracker(directory, say, max_file_bytes)
     changes = tracker.poll()
-    intake = Daemon(None, state, 0.0, 1.0, say, family=family)  # its intake only: no proxier, no thread
+    intake = Daemon(None, state, 0.0, 1.0, say, family=family, states=states)  # its intake only: no proxier, no thread
     intake.on_batch(changes.events, changes.triggers)
     intake.drain()
     files = sum(1 for f in tracker.files() if f.errors)

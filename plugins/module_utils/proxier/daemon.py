@@ -55,10 +55,14 @@ def _trigger_time(obj: Any, default: float) -> float:
 
 class Daemon:
     def __init__(self, proxier: Optional[Proxier], state: ProxyState, min_period: float, sync_period: float,
-                 log: LogFn, hooks: Optional[Hooks] = None, family: int = 4) -> None:
+                 log: LogFn, hooks: Optional[Hooks] = None, family: int = 4,
+                 states: Optional[Dict[int, ProxyState]] = None) -> None:
         self.proxier = proxier
-        self.family = family  # the IP family the proxier serves: objects of the other are ignored
-        self.state = state
+        self.family = family  # the (primary) IP family the proxier serves
+        # Per IP family, the state its proxier syncs (dual-stack: two, parsed for each
+        # family); objects of a family no state serves are ignored.
+        self.states: Dict[int, ProxyState] = dict(states) if states else {family: state}
+        self.state = self.states.get(family, state)
         self.log = log
         self.hooks = hooks or Hooks()
         self._queue: Deque[_Item] = collections.deque()
@@ -152,64 +156,65 @@ class Daemon:
         return f"{kind} {object_key(obj, kind)}"
 
     def _parse(self, kind: str, obj: Any):
+        """Per family, the parsed object (None: that family ignores it), or "invalid"."""
         key = self._key(kind, obj)
+        parse = parse_service if kind == "Service" else parse_endpoint_slice
+        parsed: Dict[int, Any] = {}
         try:
-            if kind == "Service":
-                parsed = parse_service(obj, family=self.family)
-            else:
-                parsed = parse_endpoint_slice(obj, family=self.family)
+            for family in self.states:
+                try:
+                    parsed[family] = parse(obj, family=family)
+                except Skipped:
+                    parsed[family] = None
         except ValidationError as e:
             if self.rejected.get(key) != str(e):
                 self.log(f"rejected {e}; {'keeping its last good version' if self._known(kind, obj) else 'skipped'}")
             self.rejected[key] = str(e)
             return "invalid"
-        except Skipped:
-            self.rejected.pop(key, None)
-            return None
         self.rejected.pop(key, None)
         return parsed
 
     def _known(self, kind: str, obj: Any) -> bool:
-        return object_key(obj, kind) in (self.state.services if kind == "Service" else self.state.slices)
+        key = object_key(obj, kind)
+        return any(key in (st.services if kind == "Service" else st.slices) for st in self.states.values())
 
     def _apply_event(self, item: _Item) -> None:
         ns, name = object_identity(item.obj, item.kind)
+        parsed: Any = {}
         if item.etype == "DELETED":
             self.rejected.pop(self._key(item.kind, item.obj), None)
-            if item.kind == "Service":
-                self.state.delete_service(ns, name)
-            else:
-                self.state.delete_slice(ns, name)
-            return
-        parsed = self._parse(item.kind, item.obj)
-        if parsed == "invalid":
-            return  # keep whatever good version the state has
-        if parsed is None:  # now skipped (e.g. became headless): drop it
-            if item.kind == "Service":
-                self.state.delete_service(ns, name)
-            else:
-                self.state.delete_slice(ns, name)
-            return
-        if item.kind == "Service":
-            self.state.set_service(parsed)
         else:
-            self.state.set_slice(parsed)
+            parsed = self._parse(item.kind, item.obj)
+            if parsed == "invalid":
+                return  # keep whatever good version the states have
+        for family, state in self.states.items():
+            one = parsed.get(family)
+            if one is None:  # deleted, or ignored by this family now (e.g. became headless)
+                if item.kind == "Service":
+                    state.delete_service(ns, name)
+                else:
+                    state.delete_slice(ns, name)
+            elif item.kind == "Service":
+                state.set_service(one)
+            else:
+                state.set_slice(one)
 
     def _apply_relist(self, item: _Item) -> None:
-        good = []
+        good: Dict[int, List[Any]] = {family: [] for family in self.states}
         for obj in item.obj:
             parsed = self._parse(item.kind, obj)
-            if parsed == "invalid":
-                old = (self.state.services if item.kind == "Service" else self.state.slices).get(
-                    object_key(obj, item.kind))
-                if old is not None:
-                    good.append(old)
-            elif parsed is not None:
-                good.append(parsed)
-        if item.kind == "Service":
-            self.state.replace_services(good)
-        else:
-            self.state.replace_slices(good)
+            for family, state in self.states.items():
+                if parsed == "invalid":
+                    old = (state.services if item.kind == "Service" else state.slices).get(object_key(obj, item.kind))
+                    if old is not None:
+                        good[family].append(old)
+                elif parsed.get(family) is not None:
+                    good[family].append(parsed[family])
+        for family, state in self.states.items():
+            if item.kind == "Service":
+                state.replace_services(good[family])
+            else:
+                state.replace_slices(good[family])
 
     def _apply_node(self, item: _Item) -> bool:
         if item.op != "relist" and object_identity(item.obj, "Node", namespaced=False)[1] != self.state.hostname:
@@ -226,7 +231,8 @@ class Daemon:
                 return False
             self.hooks.node_seen(obj)
         changed = node != self.state.node
-        self.state.node = node
+        for state in self.states.values():
+            state.node = node
         return changed and self.hooks.node_changed(node)
 
     def _sync(self, full: bool) -> None:

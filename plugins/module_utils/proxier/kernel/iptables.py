@@ -65,8 +65,10 @@ class IptablesKernel:
 
     def __init__(self, netns: str = "", binary: str = "iptables", wait_seconds: int = 5,
                  runner=subprocess.run, bulk_chains: int = BULK_CHAINS,
-                 diff_max_chains: int = DIFF_MAX_CHAINS, check_wait_seconds: int = 1) -> None:
+                 diff_max_chains: int = DIFF_MAX_CHAINS, check_wait_seconds: int = 1, family: int = 4) -> None:
         self.prefix: List[str] = ["ip", "netns", "exec", netns] if netns else []
+        self.netns = netns
+        self.family = family  # 6: the ip6tables tools and nft's ip6 family
         self.binary = binary
         self.wait_seconds = wait_seconds
         self._run = runner
@@ -76,6 +78,21 @@ class IptablesKernel:
         # Checks run every second in the sync thread: waiting long for a held lock would
         # only delay the syncs behind them, and an undecided check is simply retried.
         self.check_wait_seconds = check_wait_seconds
+
+    def for_family(self, family: int) -> IptablesKernel:
+        """The same tools for the other IP family: ``ip6tables`` (``ip6tables-nft``,
+        ``ip6tables-legacy``) for 6, as upstream's dual-stack proxier runs one per family."""
+        if family == self.family:
+            return self
+        head, sep, name = self.binary.rpartition("/")
+        if name.startswith("ip6tables"):
+            name = "iptables" + name[len("ip6tables"):]
+        if family == 6 and name.startswith("iptables"):
+            name = "ip6tables" + name[len("iptables"):]
+        binary = head + sep + name
+        return IptablesKernel(netns=self.netns, binary=binary, wait_seconds=self.wait_seconds, runner=self._run,
+                              bulk_chains=self.bulk_chains, diff_max_chains=self.diff_max_chains,
+                              check_wait_seconds=self.check_wait_seconds, family=family)
 
     def _argv(self, tool: str, *args: str) -> List[str]:
         return self.prefix + [f"{self.binary}{tool}", *args]
@@ -107,7 +124,7 @@ class IptablesKernel:
         when that is not available (legacy backend, no ``nft``): then use ``snapshot()``."""
         if not self.nft_backend() or shutil.which("nft") is None:
             return None
-        proc = self._run(self.prefix + ["nft", "-j", "list", "chains", "ip"],
+        proc = self._run(self.prefix + ["nft", "-j", "list", "chains", "ip6" if self.family == 6 else "ip"],
                          capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             return None

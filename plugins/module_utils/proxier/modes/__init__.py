@@ -53,6 +53,7 @@ class Context:
     # Cleaning up after a mode that is not the configured one: a tool that mode needs
     # being absent means it never ran here (nothing to remove), not a failure.
     leftovers_only: bool = False
+    family: int = 4  # the IP family this proxier or cleanup serves (``iptables`` is that family's tools)
 
 
 @dataclass(frozen=True)
@@ -73,16 +74,20 @@ class Mode:
     # leftovers of the modes of the other backends, as upstream's platformCleanup does
     # when a node switches between nftables and an iptables-based mode.
     backend: str = "iptables"
+    # The IP families the mode implements: a dual-stack node runs one proxier per family
+    # (upstream's metaproxier); IPVS mode serves IPv4 only so far.
+    families: Tuple[int, ...] = (4, 6)
 
     def _hook(self, attr: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{self.module}"), getattr(self, attr))
 
     def make_config(self, cfg: ProxyConfig, netns: str, node: Any = None,
-                    addresses: Optional[List[str]] = None) -> Any:
-        """The mode's compiler configuration; reads the node's addresses unless given."""
+                    addresses: Optional[List[str]] = None, family: int = 4) -> Any:
+        """The mode's compiler configuration for one IP family; reads the node's addresses
+        unless given."""
         from .iptables.options import iptables_config
 
-        ipt_cfg = iptables_config(cfg, netns, node=node, addresses=addresses)
+        ipt_cfg = iptables_config(cfg, netns, node=node, addresses=addresses, family=family)
         return self._hook("config")(cfg, ipt_cfg, netns)
 
     def build(self, state: ProxyState, mode_cfg: Any, ctx: Context) -> Proxier:
@@ -97,7 +102,7 @@ class Mode:
 REGISTRY: Dict[str, Mode] = {m.name: m for m in (
     Mode("iptables", "iptables.proxier", "IptablesProxier", "iptables_mode_config", "cleanup_iptables"),
     Mode("ipvs", "ipvs.proxier", "IpvsProxier", "ipvs_config", "cleanup_ipvs", sync_section="ipvs",
-         cleanup_first=True),
+         cleanup_first=True, families=(4,)),
     Mode("nftables", "nftables.proxier", "NftablesProxier", "nftables_config", "cleanup_nftables",
          backend="nftables"),
 )}

@@ -112,6 +112,7 @@ class IptablesConfig:
     node_ips: Tuple[str, ...] = ()  # this node's addresses (LB source-range self access)
     masquerade_random_fully: bool = False
     large_cluster: bool = False
+    family: int = 4  # the IP family of this proxier's rules (6: written with ip6tables-restore)
 
     @property
     def mark(self) -> str:
@@ -658,8 +659,8 @@ def infrastructure(cfg: IptablesConfig) -> Dict[ChainKey, List[str]]:
 def nodeports_tail(cfg: IptablesConfig) -> List[str]:
     """The last rules of nat KUBE-SERVICES: hand local-destination traffic to KUBE-NODEPORTS."""
     if cfg.node_port_match_all:
-        v6 = False  # IPv4 family for now; IPv6 excludes ::1 always
-        not_dst = "::1/128" if v6 else ("" if cfg.localhost_nodeports else "127.0.0.0/8")
+        # IPv6 has no route_localnet: upstream excludes ::1 always.
+        not_dst = "::1/128" if cfg.family == 6 else ("" if cfg.localhost_nodeports else "127.0.0.0/8")
         return [rule(not_dst=not_dst, comment=NODEPORTS_TAIL_COMMENT, matches=("-m addrtype --dst-type LOCAL",),
                      target=KUBE_NODEPORTS)]
     out = []

@@ -14,18 +14,21 @@ from .compile import IptablesConfig
 
 
 def iptables_config(cfg: Any, netns: str = "", node: Any = None,
-                    addresses: Optional[Sequence[str]] = None) -> IptablesConfig:
-    """IptablesConfig from a ProxyConfig ``cfg``; ``node`` (its podCIDRs) for
-    detectLocalMode NodeCIDR; the node's addresses are read now unless given."""
-    addresses = list(local_addresses(netns) if addresses is None else addresses)
+                    addresses: Optional[Sequence[str]] = None, family: int = 4) -> IptablesConfig:
+    """IptablesConfig from a ProxyConfig ``cfg`` for one IP ``family`` (4 or 6); ``node``
+    (its podCIDRs) for detectLocalMode NodeCIDR; the node's addresses of that family are
+    read now unless given (given ones of the other family are left out)."""
+    v6 = family == 6
+    addresses = [a for a in (local_addresses(netns, family) if addresses is None else addresses)
+                 if (":" in a) == v6]
     match_all, np_ips = match_node_port_addresses(cfg.node_port_addresses, addresses)
     local_cidrs: tuple = ()
     iface = ""
     mode = cfg.detect_local_mode
     if mode == "ClusterCIDR":
-        local_cidrs = tuple(c for c in cfg.cluster_cidrs if ":" not in c)
+        local_cidrs = tuple(c for c in cfg.cluster_cidrs if (":" in c) == v6)
     elif mode == "NodeCIDR":
-        local_cidrs = tuple(c for c in (node.pod_cidrs if node else ()) if ":" not in c)
+        local_cidrs = tuple(c for c in (node.pod_cidrs if node else ()) if (":" in c) == v6)
     elif mode == "BridgeInterface":
         iface = cfg.bridge_interface
     else:
@@ -33,5 +36,6 @@ def iptables_config(cfg: Any, netns: str = "", node: Any = None,
     return IptablesConfig(
         masquerade_bit=cfg.masquerade_bit, masquerade_all=cfg.masquerade_all, local_mode=mode,
         local_cidrs=local_cidrs, local_interface=iface, node_port_ips=np_ips, node_port_match_all=match_all,
-        localhost_nodeports=cfg.localhost_nodeports, node_ips=tuple(addresses),
+        # IPv6 has no route_localnet: upstream serves no NodePort on ::1.
+        localhost_nodeports=cfg.localhost_nodeports and not v6, node_ips=tuple(addresses), family=family,
     )

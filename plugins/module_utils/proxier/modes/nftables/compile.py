@@ -136,6 +136,9 @@ class Infrastructure:
 # --- names ---------------------------------------------------------------------------
 
 
+CHAIN_BASE_MAX = 240  # upstream's chainNameBaseLengthMax
+
+
 def chain_base(ns: str, name: str, port_name: str, proto: str) -> str:
     """Upstream's servicePortChainNameBase: ``HASH8-ns/name/proto/port``, HASH8 being the
     first 8 base32 characters of sha256 of the readable part (golden: ULMVA6XW-ns1/svc1/tcp/p80)."""
@@ -144,11 +147,12 @@ def chain_base(ns: str, name: str, port_name: str, proto: str) -> str:
 
 
 def endpoint_base(ns: str, name: str, port_name: str, proto: str, ep: Endpoint) -> str:
-    """Upstream's servicePortEndpointChainNameBase: ``ip:port`` written ``ip/port``."""
-    addr = ep.addr
-    colon = addr.rfind(":")
-    readable = f"{ns}/{name}/{proto}/{port_name}__{addr[:colon]}/{addr[colon + 1:]}"
-    return f"{_hash16(readable)[:8]}-{readable}"
+    """Upstream's servicePortEndpointChainNameBase: ``ip:port`` written ``ip/port``, an IPv6
+    address with its colons as dots (a colon is not allowed in a chain name), truncated
+    to 240 characters with "..." as upstream's hashAndTruncate."""
+    readable = f"{ns}/{name}/{proto}/{port_name}__{ep.ip.replace(':', '.')}/{ep.port}"
+    base = f"{_hash16(readable)[:8]}-{readable}"
+    return base if len(base) <= CHAIN_BASE_MAX else base[:CHAIN_BASE_MAX - 3] + "..."
 
 
 def _ident(sp: ServicePort, value: str) -> str:

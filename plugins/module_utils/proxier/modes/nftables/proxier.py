@@ -40,13 +40,16 @@ def nftables_config(cfg: Any, ipt_cfg: Any, netns: str, family: str = "ip") -> n
     route_localnet)."""
     from dataclasses import replace
 
+    if getattr(ipt_cfg, "family", 4) == 6:
+        family = "ip6"  # the ``ip6 kube-proxy`` table, as upstream's IPv6 proxier
     return nc.NftablesConfig(base=replace(ipt_cfg, localhost_nodeports=False), family=family)
 
 
 def cleanup_nftables(ctx: Any) -> int:
     """The registry's cleanup hook: delete the ``kube-proxy`` table. A node without nft
     never ran this mode (nothing to remove) unless it is the configured one."""
-    proxier = NftablesProxier(ProxyState(""), nc.NftablesConfig(), NftKernel(ctx.netns))
+    family = "ip6" if getattr(ctx, "family", 4) == 6 else "ip"
+    proxier = NftablesProxier(ProxyState(""), nc.NftablesConfig(family=family), NftKernel(ctx.netns))
     try:
         return proxier.cleanup()
     except Unavailable:
