@@ -123,14 +123,14 @@ def _median(values: List[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def bench_nft(n: int, design: str, changes: int, replace: bool = True) -> Dict[str, float]:
+def bench_nft(n: int, design: str, changes: int, replace: bool = True, dump: bool = True) -> Dict[str, float]:
     state = new_state(n)
     cfg = design_config(design)
     with Netns(design) as ns:
         proxier = NftablesProxier(state, cfg, NftKernel(ns))
         full = proxier.sync(force_full=True)
         text = nc.render_full(proxier.applied, cfg)
-        dump_load = dump_load_seconds(ns, cfg.family)
+        dump_load = dump_load_seconds(ns, cfg.family) if dump else float("nan")
         applies: List[float] = []
         part = one_change_times(state, proxier, n, changes, applies)
         by_hand = float("nan")
@@ -195,6 +195,10 @@ def main() -> int:
     ap.add_argument("--no-replace", action="store_true",
                     help="skip the by-hand nft -f of the full text over the loaded table (slow for vmap)")
     ap.add_argument("--plot", type=Path, help="write a PNG of cold-sync seconds vs N here")
+    ap.add_argument("--dump-designs", nargs="+", default=["inline"],
+                    help="designs whose dump is loaded into a fresh netns (default: ours only)")
+    ap.add_argument("--vmap-max", type=int, default=0,
+                    help="skip the vmap layout above this N (its nft -f grows faster than linearly); 0: no limit")
     ap.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results (development)")
     args = ap.parse_args()
     nft_version = subprocess.run(["nft", "--version"], capture_output=True, text=True, check=False).stdout.strip()
@@ -217,10 +221,15 @@ def main() -> int:
                 f"one endpoint change {ipt['partial'] * 1000:.1f} ms (median of {args.changes}); {load_average()}")
         results = {}
         for design in args.designs:
-            r = results[design] = bench_nft(n, design, args.changes, replace=not args.no_replace)
-            label = "nftables mode (ours)" if design == "inline" else f"nftables, {design} layout"
+            if design == nc.ENDPOINT_VMAP and args.vmap_max and n > args.vmap_max:
+                say(f"N={n} nftables/{design}: skipped (--vmap-max {args.vmap_max})")
+                continue
+            r = results[design] = bench_nft(n, design, args.changes, replace=not args.no_replace,
+                                            dump=design in args.dump_designs)
+            label = "nftables mode (ours)" if design == "inline" else f"nftables, upstream's {design} layout"
             points.setdefault(label, {})[n] = r["total"]
-            points.setdefault(f"nft -f of the {design} dump (fresh netns)", {})[n] = r["dump_load"]
+            if design in args.dump_designs:
+                points.setdefault(f"nft -f of the {design} dump (fresh netns)", {})[n] = r["dump_load"]
             say(f"N={n} nftables/{design}: cold full sync {r['total']:.2f} s = nft text build {r['build']:.2f} s "
                 f"+ nft -f {r['apply']:.2f} s ({r['lines']} lines, {r['bytes'] / 1e6:.1f} MB); nft -f of its own "
                 f"dump into a fresh netns {r['dump_load']:.2f} s (cold sync / dump load = "
