@@ -179,25 +179,48 @@ def plot(path: Path, points: Dict[str, Dict[int, Dict[str, float]]], baseline: O
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = {"iptables": "tab:blue", "nftables": "tab:orange"}
-    for mode, series in points.items():
-        ns = sorted(series)
-        for q, style in (("p50", "-"), ("p99", "--")):
+    for ax, q in zip(axes, ("p50", "p99")):
+        for mode, series in points.items():
+            ns = sorted(series)
             ys = [series[n][q] * 1e6 for n in ns]
-            ax.plot(ns, ys, style, marker="o", color=colors.get(mode), label=f"{mode} mode {q}")
+            ax.plot(ns, ys, marker="o", color=colors.get(mode), label=f"{mode} mode")
             for n, y in zip(ns, ys):
                 ax.annotate(f"{y:.0f}", (n, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    if baseline:
-        ax.axhline(baseline["p50"] * 1e6, color="grey", linestyle=":", label="no proxy rules, p50")
-    ax.set_xlabel("services (x 3 endpoints)")
-    ax.set_ylabel("connect() time, microseconds")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+        if baseline:
+            ax.axhline(baseline[q] * 1e6, color="grey", linestyle=":", label="no proxy rules (direct to an endpoint)")
+        ax.set_xlabel("services (x 3 endpoints)")
+        ax.set_ylabel(f"connect() time {q}, microseconds")
+        ax.set_title(f"{q}", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def parse_results(text: str) -> Tuple[str, Dict[str, Dict[int, Dict[str, float]]], Dict[str, float]]:
+    """The last run in a connect_latency.txt: (its head line, points, baseline), to redraw a plot."""
+    block = text[text.rindex("# 20"):]
+    points: Dict[str, Dict[int, Dict[str, float]]] = {}
+    baseline: Dict[str, float] = {}
+    for line in block.splitlines():
+        words = line.replace(",", "").split()
+        vals = {words[i]: float(words[i + 1]) / 1e6 for i in range(len(words) - 1) if words[i] in ("p50", "p99")
+                and words[i + 1].replace(".", "").isdigit()}
+        if line.startswith("baseline"):
+            baseline = vals
+        elif line.startswith("N="):
+            points.setdefault(words[1].rstrip(":"), {})[int(words[0][2:])] = vals
+    return block.splitlines()[0], points, baseline
+
+
+def title_for(head: str, connections: int) -> str:
+    return (f"{head[2:18]} new-connection latency: connect() of a TCP socket through a random service IP, "
+            f"{connections} connections per point, {os.cpu_count()} CPUs, {head.split('; ')[-2]}")
 
 
 def main() -> int:
@@ -207,8 +230,13 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--plot", type=Path, help="write a PNG of p50/p99 vs N per mode here")
+    ap.add_argument("--replot", type=Path, help="only redraw --plot from this results file's last run")
     ap.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results (development)")
     args = ap.parse_args()
+    if args.replot:
+        head, points, baseline = parse_results(args.replot.read_text())
+        plot(args.plot, points, baseline, title_for(head, args.connections))
+        return 0
     head = (f"# {time.strftime('%Y-%m-%d %H:%M')} kernel {os.uname().release}, {os.cpu_count()} CPUs, "
             f"{subprocess.run(['iptables', '--version'], capture_output=True, text=True, check=False).stdout.strip()}; "
             f"{load_average()}; command: python3 benchmarks/bench_connect.py {' '.join(sys.argv[1:])}")
@@ -233,8 +261,7 @@ def main() -> int:
                 f"p50 vs N={ns_list[0]}: {r['p50'] / first['p50']:.2f}x, p99 {r['p99'] / first['p99']:.2f}x; "
                 f"(rules loaded by a cold sync of {r['sync']:.1f} s); {load_average()}")
     if args.plot:
-        plot(args.plot, points, base, f"{head[2:18]} new-connection latency (connect() of a TCP socket) through "
-             f"a random service IP, {args.connections} connections per point, {os.cpu_count()} CPUs")
+        plot(args.plot, points, base, title_for(head, args.connections))
         say(f"# plot: {args.plot}")
     if not args.no_save:
         with (ROOT / "benchmarks" / "results" / "connect_latency.txt").open("a") as fh:
