@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -223,6 +224,10 @@ def title_for(head: str, connections: int) -> str:
             f"{connections} connections per point, {os.cpu_count()} CPUs, {head.split('; ')[-2]}")
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--services", nargs="+", default=["1000,10000,30000"], help="N, comma- or space-separated")
@@ -233,6 +238,8 @@ def main() -> int:
     ap.add_argument("--replot", type=Path, help="only redraw --plot from this results file's last run")
     ap.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results (development)")
     args = ap.parse_args()
+    # A SIGTERM unwinds like an error, so the namespaces and processes made are removed.
+    signal.signal(signal.SIGTERM, _terminate)
     if args.replot:
         head, points, baseline = parse_results(args.replot.read_text())
         plot(args.plot, points, baseline, title_for(head, args.connections))

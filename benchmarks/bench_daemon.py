@@ -199,6 +199,10 @@ def plot(path: Path, results: List[Dict[str, object]], title: str) -> None:
     plt.close(fig)
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--services", type=int, default=10000)
@@ -210,6 +214,8 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, help="write a PNG (latency CDF and sync timeline) here")
     ap.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results (development)")
     args = ap.parse_args()
+    # A SIGTERM unwinds like an error, so the namespaces and processes made are removed.
+    signal.signal(signal.SIGTERM, _terminate)
     head = (f"# {time.strftime('%Y-%m-%d %H:%M')} kernel {os.uname().release}, {os.cpu_count()} CPUs; "
             f"{load_average()}; command: python3 benchmarks/bench_daemon.py {' '.join(sys.argv[1:])}")
     print(head, flush=True)
