@@ -422,3 +422,38 @@ def test_unallocated_cluster_ip_is_dropped_when_the_service_cidr_is_known(cluste
     outcome = cluster.request("client", "10.96.0.99", 8080, timeout=1).outcome  # the echo server's port
     assert outcome == ("timeout" if service_cidrs else "ok")
     assert proxy.proxier.check() is False  # the extra rule is counted as written
+
+
+def test_a_large_element_batch_is_split_and_an_oversized_one_is_left_to_nft(lab):
+    # One NEWSETELEM message holds at most ELEMENTS_PER_MESSAGE elements (the element list is
+    # one attribute, its length 16 bits: ~2,100 IPv4 map elements overflow it); a batch above
+    # MAX_BATCH_BYTES is not sent at all (False: nft -f writes that change).
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel import nft_netlink
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.modes.nftables.compile import (
+        encode_element,
+    )
+
+    netns = lab.ns("node")
+    lab.exec("node", ["nft", "add table ip t; add map ip t endpoints-tcp-00 { typeof numgen random mod 1 : "
+                             "ip daddr . tcp dport ; }"])
+    n = 5 * nft_netlink.ELEMENTS_PER_MESSAGE + 7  # ~80 KB: one attribute would overflow
+    elems = [encode_element("endpoints-tcp-00", f"{i} : 10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255} . 8080")
+             for i in range(n)]
+    counter = nft_netlink.RuleCounter(netns)
+    try:
+        assert counter.element_batch("ip", "t", [("add", "endpoints-tcp-00", elems)]) is True
+        out = lab.exec("node", ["nft", "list", "map", "ip", "t", "endpoints-tcp-00"]).stdout
+        assert out.count(" . 8080") == n
+        many = [encode_element("endpoints-tcp-00", f"{i} : 10.99.{i >> 8 & 255}.{i & 255} . 80")
+                for i in range(n, n + 5000)]
+        assert counter.element_batch("ip", "t", [("add", "endpoints-tcp-00", many)]) is False
+        out = lab.exec("node", ["nft", "list", "map", "ip", "t", "endpoints-tcp-00"]).stdout
+        assert out.count(" . 8080") == n and " . 80," not in out and " . 80 " not in out
+        # An element that is not there: the kernel refuses the batch, nothing of it applied.
+        with pytest.raises(KernelError, match="endpoints-tcp-00"):
+            gone = [encode_element("endpoints-tcp-00", "0"), encode_element("endpoints-tcp-00", str(n + 1))]
+            counter.element_batch("ip", "t", [("delete", "endpoints-tcp-00", gone)])
+        out = lab.exec("node", ["nft", "list", "map", "ip", "t", "endpoints-tcp-00"]).stdout
+        assert out.count(" . 8080") == n
+    finally:
+        counter.close()

@@ -50,16 +50,17 @@ class NftKernel:
         if proc.returncode != 0:
             raise NftError(f"nft -f failed ({proc.returncode}): {_first_lines(proc.stderr)}")
 
-    def apply_elements(self, family: str, table: str, ops: ElementOps) -> None:
+    def apply_elements(self, family: str, table: str, ops: ElementOps) -> bool:
         """Element additions and deletions as one nfnetlink batch (one transaction, as
         ``nft -f``, without nft's fetch of every chain first). Raises Unavailable when
         netlink cannot be used here (the caller writes the same change with ``nft -f``),
-        KernelError when the kernel refuses it (nothing applied)."""
+        KernelError when the kernel refuses it (nothing applied); False when the batch is too
+        large for one send (nothing sent: ``nft -f`` writes this one)."""
         if self._run is not subprocess.run:  # a test's runner stands in for nft: nft it is
             raise Unavailable("nft runner replaced")
         if self._counter is None:
             self._counter = RuleCounter(self.netns)
-        self._counter.element_batch(family, table, ops)
+        return self._counter.element_batch(family, table, ops)
 
     def table_exists(self, family: str, table: str) -> bool:
         """Asked over netlink (kernel/nft_netlink.py): constant cost, where ``nft list tables``

@@ -56,6 +56,14 @@ FAMILIES = {"ip": 2, "ip6": 10, "inet": 1}
 _HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 
 
+# Elements per NEWSETELEM/DELSETELEM message: the element list is one attribute with a
+# 16-bit length (an IPv4 map element ~31 bytes, IPv6 ~44: 2,100 / 1,490 would overflow it).
+ELEMENTS_PER_MESSAGE = 500
+# A batch is one send(): above this it may exceed the socket's send buffer (212,992 bytes by
+# default), and such a change (thousands of endpoints at once) goes to nft -f instead.
+MAX_BATCH_BYTES = 128 * 1024
+
+
 class NetlinkError(KernelError):
     """The kernel refused the dump or the socket failed."""
 
@@ -186,10 +194,11 @@ class RuleCounter:
                 raise NetlinkError(f"nftables element dump of {family} {table} {name} failed: {e}") from None
         return None if n is None else found
 
-    def element_batch(self, family: str, table: str, ops: ElementOps) -> None:
+    def element_batch(self, family: str, table: str, ops: ElementOps) -> bool:
         """Add and delete set/map elements in one nfnetlink batch: one transaction, all or
         nothing, as ``nft -f`` (which first fetches every chain of the table: 35-70 ms at
-        10,000 services). Raises NetlinkError naming the refused set."""
+        10,000 services). False, with nothing sent, when the batch is too large for one
+        send; raises NetlinkError naming the refused set."""
         msgs: List[bytes] = []
         names: Dict[int, str] = {}
         with self._lock:
@@ -200,23 +209,28 @@ class RuleCounter:
             self._seq += 1
             msgs.append(_HDR.pack(_HDR.size + 4, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, self._seq, 0)
                         + struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES)))
+            first = self._seq
             for verb, name, elems in ops:
-                if not elems:
-                    continue
-                self._seq += 1
                 kind = (NFNL_SUBSYS_NFTABLES << 8) | (NFT_MSG_NEWSETELEM if verb == "add" else NFT_MSG_DELSETELEM)
                 flags = NLM_F_REQUEST | NLM_F_ACK | (NLM_F_CREATE if verb == "add" else 0)
-                body = _element_message(family, table, name, elems)
-                msgs.append(_HDR.pack(_HDR.size + len(body), kind, flags, self._seq, 0) + body)
-                names[self._seq] = f"{verb} element {family} {table} {name}"
+                # An attribute's length is 16 bits: at most ELEMENTS_PER_MESSAGE elements a message.
+                for start in range(0, len(elems), ELEMENTS_PER_MESSAGE):
+                    self._seq += 1
+                    body = _element_message(family, table, name, elems[start:start + ELEMENTS_PER_MESSAGE])
+                    msgs.append(_HDR.pack(_HDR.size + len(body), kind, flags, self._seq, 0) + body)
+                    names[self._seq] = f"{verb} element {family} {table} {name}"
             self._seq += 1
             msgs.append(_HDR.pack(_HDR.size + 4, NFNL_MSG_BATCH_END, NLM_F_REQUEST, self._seq, 0)
                         + struct.pack("=BBH", 0, 0, socket.htons(NFNL_SUBSYS_NFTABLES)))
             if not names:
-                return
+                return True
+            batch = b"".join(msgs)
+            if len(batch) > MAX_BATCH_BYTES:  # beyond the socket's send buffer: nft -f takes it
+                return False
             try:
-                sock.send(b"".join(msgs))
-                self._acks(sock, names)
+                sock.send(batch)
+                self._acks(sock, names, first, self._seq)
+                return True
             except OSError as e:
                 self.close()
                 raise NetlinkError(f"nftables element batch failed: {e}") from None
@@ -224,9 +238,11 @@ class RuleCounter:
                 self.close()  # the kernel may still answer the batch's other messages
                 raise
 
-    def _acks(self, sock: socket.socket, names: Dict[int, str]) -> None:
+    def _acks(self, sock: socket.socket, names: Dict[int, str], first: int, last: int) -> None:
         """Wait for the kernel's answer to every message of the batch (NLM_F_ACK): an ack
-        when the batch was committed, the refused message's error when not."""
+        when the batch was committed, the refused message's error when not. An error on the
+        batch's begin or end message is the batch's own: a failed commit (the kernel sends it
+        before the messages' acks, which then still read 0) or a refused batch (no acks)."""
         waiting = set(names)
         while waiting:
             data = sock.recv(1 << 16)
@@ -235,11 +251,11 @@ class RuleCounter:
                 length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
                 if length < _HDR.size:
                     raise NetlinkError("malformed netlink message")
-                if mtype == NLMSG_ERROR and mseq in waiting:
+                if mtype == NLMSG_ERROR and first <= mseq <= last:
                     (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
                     if code != 0:
-                        raise NetlinkError(f"{names[mseq]}: {errno.errorcode.get(-code, -code)} "
-                                           f"({os.strerror(-code)})")
+                        raise NetlinkError(f"{names.get(mseq, 'nftables element batch')}: "
+                                           f"{errno.errorcode.get(-code, -code)} ({os.strerror(-code)})")
                     waiting.discard(mseq)
                 offset += (length + 3) & ~3
 

@@ -207,11 +207,10 @@ class NftablesProxier(ProxierBase):
                 return False
             ops.append((verb, where, [e for e in encoded if e is not None]))
         try:
-            self.kernel.apply_elements(self.cfg.family, nc.TABLE, ops)
+            return self.kernel.apply_elements(self.cfg.family, nc.TABLE, ops)
         except Unavailable:
             self._netlink_elements = False  # no pyroute2 for a named netns: nft from now on
             return False
-        return True
 
     def _contested(self, new: Dict[str, Optional[nc.ServiceNft]]) -> bool:
         """A changed service lost a key to another, holds a key another wants, or now
