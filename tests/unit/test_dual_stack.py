@@ -171,6 +171,36 @@ def test_one_family_failing_does_not_stop_the_other():
     assert p4.need_full and not p6.need_full and meta.need_full
 
 
+def test_a_family_that_failed_leaves_the_others_result_for_the_daemons_hooks():
+    # The daemon opens health check node ports and removes stale flows of what did sync
+    # (partly_synced); healthz and the sync metrics wait for a whole sync.
+    from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.daemon import Daemon
+
+    p4, p6 = FakeProxier(ProxyState("n"), rules=4), FakeProxier(ProxyState("n"), rules=6)
+    meta = MetaProxier({4: p4, 6: p6})
+    p6.fail = RuntimeError("no ip6 nat")
+    with pytest.raises(RuntimeError) as caught:
+        meta.sync(force_full=True)
+    assert caught.value.partial_result.rules == 4 and caught.value.partial_result.full
+
+    class Hooks:
+        def __init__(self):
+            self.calls = []
+
+        def partly_synced(self, result):
+            self.calls.append(("partly", result.rules))
+
+        def synced(self, result, latencies):
+            self.calls.append(("synced", result.rules))
+
+    daemon = Daemon.__new__(Daemon)  # only _sync's failure path is exercised
+    daemon.proxier, daemon.hooks, daemon._started = meta, Hooks(), 0.0
+    daemon._drain = lambda: ([], False)
+    with pytest.raises(RuntimeError, match="no ip6 nat"):
+        daemon._sync(True)
+    assert daemon.hooks.calls == [("partly", 4)]
+
+
 def test_retry_soon_only_when_every_family_failure_was_a_held_lock():
     lock = LockBusy("the xtables lock was held")
     p4, p6 = FakeProxier(ProxyState("n"), fail=lock), FakeProxier(ProxyState("n"), fail=RuntimeError("nft failed"))

@@ -112,8 +112,8 @@ def build_node_proxier(cfg: kpconfig.ProxyConfig, states: Dict[int, ProxyState],
     """The node's proxier: one family's, or (dual-stack) a MetaProxier over one proxier
     per family, the primary family first (``states``' order)."""
     proxiers: Dict[int, Proxier] = {}
-    for i, (family, state) in enumerate(states.items()):
-        proxiers[family] = build_proxier(cfg, state, netns, kernel, log, family=family, remove_others=i == 0)
+    for family, state in states.items():
+        proxiers[family] = build_proxier(cfg, state, netns, kernel, log, family=family)
     if len(proxiers) == 1:
         return next(iter(proxiers.values()))
     from .metaproxier import MetaProxier
@@ -133,6 +133,8 @@ def remove_other_backends(mode: modes.Mode, ctx: modes.Context) -> int:
     removed = 0
     others = modes.other_backends(mode.name)
     for other in others:
+        if ctx.family not in other.families:  # each family's proxier removes its own family's
+            continue
         try:
             removed += other.clean(replace(ctx, leftovers_only=True))
         except (KernelError, Unavailable, OSError) as e:
@@ -223,6 +225,12 @@ class NodeHooks(Hooks):
         if self.pending():
             # Changes queued while this sync ran are not in the kernel yet.
             self.health.queued_update()
+        self.partly_synced(result)
+
+    def partly_synced(self, result: SyncResult) -> None:
+        """Health check node ports and conntrack cleanup for what ``result`` put in the
+        kernel: after every sync, and alone when one IP family synced and another failed
+        (healthz and the sync metrics wait for a whole sync)."""
         keys = set().union(*(st.services for st in self.states.values())) if result.full else result.changed
         self._health_checks(keys)
         self._conntrack(keys)

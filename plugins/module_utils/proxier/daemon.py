@@ -239,7 +239,16 @@ class Daemon:
         t0, cpu0 = time.monotonic(), time.thread_time()
         seen, node_changed = self._drain()
         drained, drained_cpu = time.monotonic() - t0, time.thread_time() - cpu0
-        result = self.proxier.sync(force_full=full or node_changed)
+        try:
+            result = self.proxier.sync(force_full=full or node_changed)
+        except Exception as e:
+            # Dual-stack: one family failed, the other's rules are in. Its health check node
+            # ports and stale flows follow now; healthz and the metrics wait for a whole sync.
+            partial = getattr(e, "partial_result", None)
+            partly_synced = getattr(self.hooks, "partly_synced", None)
+            if partial is not None and partly_synced is not None:
+                partly_synced(partial)
+            raise
         now = time.time()
         self.last_result = result
         self.hooks.synced(result, [now - t for t in seen if t >= self._started])

@@ -100,13 +100,23 @@ class MetaProxier:
 
     def sync(self, force_full: bool = False) -> SyncResult:
         errors: List[BaseException] = []
+        done: List[SyncResult] = []
         for family, p in self.proxiers.items():
             try:
                 self.results[family] = p.sync(force_full=force_full)
+                done.append(self.results[family])
             except Exception as e:  # the other family still syncs; this one retries
                 errors.append(e)
         if errors:
-            raise _first_error(errors)
+            error = _first_error(errors)
+            if done:
+                # What did sync is in the kernel: the daemon still opens its health check node
+                # ports and removes its stale flows (the failed family's wait for its retry).
+                try:
+                    error.partial_result = merge_results(done)  # type: ignore[attr-defined]
+                except AttributeError:  # an exception type without a __dict__
+                    pass
+            raise error
         return merge_results([self.results[f] for f in self.proxiers])
 
     def check(self) -> bool:
@@ -129,8 +139,14 @@ class MetaProxier:
         return out
 
     def close(self) -> None:
+        errors = []
         for p in self.proxiers.values():
-            p.close()
+            try:
+                p.close()
+            except Exception as e:  # every family closes; the first error is raised after
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def proxier(self, family: int) -> Optional[Proxier]:
         return self.proxiers.get(family)
