@@ -125,7 +125,9 @@ class NftablesProxier(ProxierBase):
     def _full(self, changed: Set[str], start: float) -> SyncResult:
         compiled: Dict[str, nc.ServiceNft] = {}
         same_cfg = self.cfg == self._applied_cfg
-        for key in self.state.services:
+        # In name order: the endpoint maps' key blocks are handed out in compile order, so
+        # the same services give the same table whatever order they arrived in.
+        for key in sorted(self.state.services):
             old = self.applied.get(key) if same_cfg else None
             if old is not None and key not in changed and key not in self.rejected:
                 compiled[key] = old  # pure compile: unchanged input, unchanged output
