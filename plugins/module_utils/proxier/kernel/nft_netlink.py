@@ -68,6 +68,20 @@ class NetlinkError(KernelError):
     """The kernel refused the dump or the socket failed."""
 
 
+def _replies(sock: socket.socket) -> Iterator[Tuple[int, int, bytes]]:
+    """(type, sequence number, payload) of every netlink message the socket receives, one
+    receive at a time, until the caller stops (the socket's timeout bounds each wait)."""
+    while True:
+        data = sock.recv(1 << 16)
+        offset = 0
+        while offset + _HDR.size <= len(data):
+            length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
+            if length < _HDR.size:
+                raise NetlinkError("malformed netlink message")
+            yield mtype, mseq, data[offset + _HDR.size:offset + length]
+            offset += (length + 3) & ~3
+
+
 def _attr(kind: int, value: bytes) -> bytes:
     data = struct.pack("=HH", 4 + len(value), kind) + value
     return data + b"\0" * (-len(data) % 4)
@@ -244,20 +258,15 @@ class RuleCounter:
         batch's begin or end message is the batch's own: a failed commit (the kernel sends it
         before the messages' acks, which then still read 0) or a refused batch (no acks)."""
         waiting = set(names)
-        while waiting:
-            data = sock.recv(1 << 16)
-            offset = 0
-            while offset + _HDR.size <= len(data):
-                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
-                if length < _HDR.size:
-                    raise NetlinkError("malformed netlink message")
-                if mtype == NLMSG_ERROR and first <= mseq <= last:
-                    (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
-                    if code != 0:
-                        raise NetlinkError(f"{names.get(mseq, 'nftables element batch')}: "
-                                           f"{errno.errorcode.get(-code, -code)} ({os.strerror(-code)})")
-                    waiting.discard(mseq)
-                offset += (length + 3) & ~3
+        for mtype, mseq, payload in _replies(sock):
+            if mtype == NLMSG_ERROR and first <= mseq <= last:
+                (code,) = struct.unpack_from("=i", payload)
+                if code != 0:
+                    raise NetlinkError(f"{names.get(mseq, 'nftables element batch')}: "
+                                       f"{errno.errorcode.get(-code, -code)} ({os.strerror(-code)})")
+                waiting.discard(mseq)
+                if not waiting:
+                    return
 
     def _get_table(self, family: str, table: str) -> bool:
         body = struct.pack("=BBH", FAMILIES[family], 0, 0) + _attr(NFTA_TABLE_NAME, table.encode() + b"\0")
@@ -281,25 +290,20 @@ class RuleCounter:
         kind = (NFNL_SUBSYS_NFTABLES << 8) | request
         sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | flags, seq, 0) + body)
         count = 0
-        while True:
-            data = sock.recv(1 << 16)
-            offset = 0
-            while offset + _HDR.size <= len(data):
-                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, offset)
-                if length < _HDR.size:
-                    raise NetlinkError("malformed netlink message")
-                if mseq == seq:
-                    if mtype == NLMSG_DONE:
-                        return count
-                    if mtype == NLMSG_ERROR:
-                        (code,) = struct.unpack_from("=i", data, offset + _HDR.size)
-                        if code == 0:
-                            return count
-                        if -code == errno.ENOENT:
-                            return None
-                        raise NetlinkError(f"{what}: {errno.errorcode.get(-code, -code)}")
-                    if mtype == (NFNL_SUBSYS_NFTABLES << 8) | counted:
-                        count += 1
-                        if each is not None:
-                            each(data[offset + _HDR.size:offset + length])
-                offset += (length + 3) & ~3
+        for mtype, mseq, payload in _replies(sock):
+            if mseq != seq:
+                continue
+            if mtype == NLMSG_DONE:
+                return count
+            if mtype == NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", payload)
+                if code == 0:
+                    return count
+                if -code == errno.ENOENT:
+                    return None
+                raise NetlinkError(f"{what}: {errno.errorcode.get(-code, -code)}")
+            if mtype == (NFNL_SUBSYS_NFTABLES << 8) | counted:
+                count += 1
+                if each is not None:
+                    each(payload)
+        return count  # not reached: _replies ends only by raising
