@@ -12,8 +12,6 @@ Results are appended to benchmarks/results/iptables_sync.txt with the date.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -22,11 +20,8 @@ import time
 from pathlib import Path
 from typing import List
 
-ROOT = Path(__file__).resolve().parents[1]
-_loader = importlib.machinery.SourceFileLoader("kubenode_proxy_bin", str(ROOT / "bin" / "kubenode-proxy"))
-_bin = importlib.util.module_from_spec(importlib.util.spec_from_loader("kubenode_proxy_bin", _loader))
-_loader.exec_module(_bin)
-_bin.setup_path()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchpath import ROOT  # noqa: E402  (sets up the collection path)
 
 from ansible_collections.kubenode.proxy.plugins.module_utils.proxier.kernel.iptables import (  # noqa: E402
     IptablesKernel,

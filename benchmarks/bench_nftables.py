@@ -20,8 +20,6 @@ load average; ``--plot`` draws cold-sync seconds against N per design and mode.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -30,11 +28,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-_loader = importlib.machinery.SourceFileLoader("kubenode_proxy_bin", str(ROOT / "bin" / "kubenode-proxy"))
-_bin = importlib.util.module_from_spec(importlib.util.spec_from_loader("kubenode_proxy_bin", _loader))
-_loader.exec_module(_bin)
-_bin.setup_path()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchpath import ROOT  # noqa: E402  (sets up the collection path)
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_iptables_sync import endpoint_slice, service  # noqa: E402

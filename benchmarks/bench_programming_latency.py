@@ -14,8 +14,6 @@ separate sync. Prints p50/p99/max and appends them to benchmarks/results/program
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -26,11 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import List
 
-ROOT = Path(__file__).resolve().parents[1]
-_loader = importlib.machinery.SourceFileLoader("kubenode_proxy_bin", str(ROOT / "bin" / "kubenode-proxy"))
-_bin = importlib.util.module_from_spec(importlib.util.spec_from_loader("kubenode_proxy_bin", _loader))
-_loader.exec_module(_bin)
-_bin.setup_path()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchpath import ROOT  # noqa: E402  (sets up the collection path)
+
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 from fake_apiserver import FakeApiServer  # noqa: E402
