@@ -133,17 +133,23 @@ def mode_lab(request, tmp_path_factory):
     reason = unavailable(request.param)
     if reason:
         pytest.skip(reason)
-    lab = Lab()
+    yield from lab_cluster(request.param, tmp_path_factory.mktemp(f"manifests-{request.param}"))
+
+
+def lab_cluster(mode, manifests, dual=False):
+    """The lab every case of one mode shares: the backends, a client, two external hosts and
+    a second node address (the NodePort address scenario; ext reaches it via the node); with
+    ``dual``, IPv6 addresses beside the IPv4 ones. Closed however the module's tests end."""
+    lab = Lab(dual_stack=dual)
     try:
         for name, ip in BACKENDS.items():
-            lab.add_pod(name, ip)
-        lab.add_client("client", CLIENT_IP)
-        lab.add_external("ext", EXT_IP)
+            lab.add_pod(name, ip, **({"ip6": BACKENDS6[name]} if dual else {}))
+        lab.add_client("client", CLIENT_IP, **({"ip6": CLIENT_IP6} if dual else {}))
+        lab.add_external("ext", EXT_IP, **({"ip6": EXT_IP6} if dual else {}))
         lab.add_external("ext2", EXT2_IP)
-        # A second node address (the NodePort address scenario); ext reaches it via the node.
         lab.exec("node", ["ip", "addr", "add", f"{OTHER_NODE_IP}/32", "dev", lab.node_interface])
         lab.exec("ext", ["ip", "route", "add", f"{OTHER_NODE_IP}/32", "via", lab.node_ip])
-        yield Cluster(lab, request.param, tmp_path_factory.mktemp(f"manifests-{request.param}"))
+        yield Cluster(lab, mode, manifests)
     finally:
         lab.close()
 
@@ -582,15 +588,7 @@ def dual_lab(request, tmp_path_factory):
     reason = unavailable(request.param) or (None if shutil.which("ip6tables-restore") else "no ip6tables-restore")
     if reason:
         pytest.skip(reason)
-    lab = Lab(dual_stack=True)
-    try:
-        for name, ip in BACKENDS.items():
-            lab.add_pod(name, ip, ip6=BACKENDS6[name])
-        lab.add_client("client", CLIENT_IP, ip6=CLIENT_IP6)
-        lab.add_external("ext", EXT_IP, ip6=EXT_IP6)
-        yield Cluster(lab, request.param, tmp_path_factory.mktemp(f"manifests6-{request.param}"))
-    finally:
-        lab.close()
+    yield from lab_cluster(request.param, tmp_path_factory.mktemp(f"manifests6-{request.param}"), dual=True)
 
 
 @pytest.fixture
