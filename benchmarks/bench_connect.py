@@ -55,7 +55,7 @@ s.bind(("0.0.0.0", 8080))
 s.listen(4096)
 print("ready", flush=True)
 while True:
-    c, _ = s.accept()
+    c, _addr = s.accept()
     c.close()
 """
 
@@ -153,7 +153,7 @@ def measure(mode: str, n: int, connections: int, seed: int) -> Dict[str, float]:
     with Topology(mode[:3]) as topo:
         sync_s = 0.0
         if mode == "baseline":
-            targets = [(f"10.128.{rng.randrange(0, 234)}.{rng.randrange(1, 255)}", 8080) for _ in range(connections)]
+            targets = [(f"10.128.{rng.randrange(0, 234)}.{rng.randrange(1, 255)}", 8080) for _n in range(connections)]
         else:
             state = new_state(n)
             if mode == "iptables":
@@ -162,7 +162,7 @@ def measure(mode: str, n: int, connections: int, seed: int) -> Dict[str, float]:
                 proxier = NftablesProxier(state, design_config("inline"), NftKernel(topo.node))
             sync_s = proxier.sync(force_full=True).total_seconds
             ips = [service(i)["spec"]["clusterIP"] for i in range(n)]
-            targets = [(rng.choice(ips), 80) for _ in range(connections)]
+            targets = [(rng.choice(ips), 80) for _n in range(connections)]
         topo.connect_times(targets[:200])  # warm-up: neighbours, route caches, the server's accept loop
         times, failures = topo.connect_times(targets)
         return {"p50": pct(times, 0.5), "p90": pct(times, 0.9), "p99": pct(times, 0.99),

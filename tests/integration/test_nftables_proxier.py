@@ -181,7 +181,7 @@ def test_affinity_entries_survive_a_full_rewrite(cluster, endpoint_chains):
     first = backends(cluster.request_many("client", "10.96.0.10", 80, count=5))
     assert len(first) == 1
     assert affinity_entries(cluster.ns("node")) == {CLIENT_IP}
-    for _ in range(4):
+    for _round in range(4):
         result = proxy.sync(force_full=True)
         assert result.full and result.changes == ["table replaced"]
         assert affinity_entries(cluster.ns("node")) == {CLIENT_IP}
