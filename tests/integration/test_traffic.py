@@ -484,7 +484,6 @@ def test_daemon_follows_manifest_edits_and_removes_stale_udp_flows(cluster, tmp_
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be2": 3})
 
 
-
 def stop_daemon(proc):
     """SIGTERM, and the daemon exits 0 within 30 s (it leaves the rules in place)."""
     proc.send_signal(signal.SIGTERM)
@@ -496,6 +495,7 @@ def kill_daemon(proc):
     if proc.poll() is None:
         proc.kill()
         proc.wait(10)
+
 
 def test_cleanup_removes_ours_and_leaves_foreign_rules(cluster):
     cluster.iptables_restore("*nat\n:MYCHAIN - [0:0]\n-A MYCHAIN -d 10.1.2.3/32 -j RETURN\n"
