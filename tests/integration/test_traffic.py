@@ -469,12 +469,8 @@ def test_daemon_follows_manifest_edits_and_removes_stale_udp_flows(cluster, tmp_
         assert send(cluster.lab, "client", "10.96.0.53", 53, sport=41053) == "be1"  # the long-lived flow
         write_manifests(manifests, [*web([BACKENDS["be2"]]), *new, svc("dns", "10.96.0.53", DNS),
                                     eps("dns", [BACKENDS["be2"]], DNS_EP)])
-        wait_for(lambda: send(cluster.lab, "client", "10.96.0.53", 53, sport=41002, timeout=0.5) == "be2", 60)
-        # The old 5-tuple would stick to be1 (still running) if its conntrack entry had stayed.
-        # The entry is deleted after the rules are in (as upstream does): a new 5-tuple reaching
-        # be2 does not yet mean the cleanup ran (it failed once that way, 1 in ~10 runs).
-        wait_for(lambda: send(cluster.lab, "client", "10.96.0.53", 53, sport=41053, timeout=0.5) == "be2", 10,
-                 what="the stale UDP flow's conntrack entry to go")
+        wait_flow_moves(lambda sport: send(cluster.lab, "client", "10.96.0.53", 53, sport=sport, timeout=0.5),
+                        41002, 41053, "be2")
         stop_daemon(proc)
     finally:
         kill_daemon(proc)
@@ -482,6 +478,15 @@ def test_daemon_follows_manifest_edits_and_removes_stale_udp_flows(cluster, tmp_
     assert f"{cluster.mode} mode" in text and "partial sync" in text and "sync failed" not in text, text
     # SIGTERM leaves the rules in place.
     assert backends(cluster.request_many("client", "10.96.0.10", 80, count=3)) == Counter({"be2": 3})
+
+
+def wait_flow_moves(send_from, new_sport, old_sport, backend):
+    """After an endpoint change: a new 5-tuple reaches ``backend`` (the rules are in), then the
+    long-lived one on ``old_sport`` does too, which it would not (its old backend still runs)
+    had its conntrack entry stayed. The entry is deleted after the rules are in, as upstream
+    does, so the second wait is needed (asserting at once failed 1 in ~10 runs)."""
+    wait_for(lambda: send_from(new_sport) == backend, 60, what="the endpoint change")
+    wait_for(lambda: send_from(old_sport) == backend, 10, what="the stale UDP flow's conntrack entry to go")
 
 
 def stop_daemon(proc):
@@ -713,10 +718,8 @@ def test_daemon_removes_stale_ipv6_udp_flows(dual_cluster, tmp_path):
                                          check=False).stdout, 30, what="the health check node port over IPv6")
         assert '"localEndpoints": 1' in health, health
         write_manifests(manifests, [*dns, eps6("dns", [BACKENDS6["be2"]], DNS_EP)])
-        wait_for(lambda: send6(c.lab, "client", "fd00:10:96::53", 53, sport=42002, timeout=0.5) == "be2", 60)
-        # As for IPv4: the old flow's entry goes after the rules are in.
-        wait_for(lambda: send6(c.lab, "client", "fd00:10:96::53", 53, sport=42053, timeout=0.5) == "be2", 10,
-                 what="the stale IPv6 UDP flow's conntrack entry to go")
+        wait_flow_moves(lambda sport: send6(c.lab, "client", "fd00:10:96::53", 53, sport=sport, timeout=0.5),
+                        42002, 42053, "be2")
         stop_daemon(proc)
     finally:
         kill_daemon(proc)
